@@ -1,0 +1,165 @@
+"""The few tensor writes into pool buckets, written to behave the same on CPU and on Ascend.
+
+MindSpore 2.10's CPU backend silently ignores ``copy_`` into a view at a non-zero offset, makes
+``add_`` out-of-place, rejects slice-assignment into bfloat16 and has no pad kernel. So:
+
+* the bucket content is assembled out-of-place with one ``mint.cat`` (gradients, uneven-shard
+  zero rows and alignment gaps in row order) and written with a single whole-tensor write;
+  ``mint.cat`` costs ~0.2 us per input, where a slice-assignment per gradient costs ~45 us;
+* a single gradient whose layout is the identity is written straight from the gradient, with
+  no intermediate (one pass: this is the large-gradient bandwidth path);
+* the write is ``copy_`` when the lease is the whole allocation (it casts in the same kernel),
+  otherwise slice-assignment through :func:`gradpool.pool.writable_view`;
+* accumulation is an out-of-place add written back the same way.
+
+Every caller tensor is only ever read here.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from typing import Sequence
+
+import mindspore as ms
+from mindspore import mint
+
+from gradpool.device import synchronize
+from gradpool.errors import LayoutMismatchError
+from gradpool.layout import GradSlot, ReduceScatterLayout
+from gradpool.pool import Lease, check_dtype, itemsize, writable_view
+
+
+def pack(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout) -> None:
+    """Write ``grads`` into ``lease`` per ``layout``: cast to the lease dtype, pad with zeros."""
+    _check(lease, grads, layout)
+    start = time.perf_counter()
+    _write(lease, _assemble(grads, layout))
+    _account(lease, layout, start)
+
+
+def accumulate(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout) -> None:
+    """Add ``grads`` (packed per ``layout``) to what ``lease`` already holds (a micro-step)."""
+    _check(lease, grads, layout)
+    start = time.perf_counter()
+    packed = _assemble(grads, layout)
+    if packed.dtype != lease.dtype:
+        packed = packed.astype(lease.dtype)
+    _write(lease, mint.add(lease.tensor, packed))
+    _account(lease, layout, start)
+
+
+def shard_views(output: ms.Tensor, layout: ReduceScatterLayout) -> list[ms.Tensor]:
+    """Each gradient's shard as a view of ``output`` (one rank's row, ``row_numel`` elements).
+
+    A shard has the gradient's ``chunk_shape``; for an uneven shard dim its trailing entries
+    (``slot.valid_length(rank)`` onwards) are padding."""
+    if output.shape != (layout.row_numel,):
+        raise LayoutMismatchError(
+            f"output has shape {output.shape}; the layout's row needs ({layout.row_numel},)")
+    sizes, pieces = [], []
+    cursor = 0
+    for slot in layout.slots:
+        if slot.offset > cursor:
+            sizes.append(slot.offset - cursor)
+            pieces.append(None)
+        sizes.append(slot.chunk_numel)
+        pieces.append(slot)
+        cursor = slot.offset + slot.chunk_numel
+    if layout.row_numel > cursor:
+        sizes.append(layout.row_numel - cursor)
+        pieces.append(None)
+    parts = mint.split(output, sizes) if len(sizes) > 1 else (output,)
+    return [part.view(slot.chunk_shape) for part, slot in zip(parts, pieces) if slot is not None]
+
+
+# -- internals ---------------------------------------------------------------------------------
+def _check(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout) -> None:
+    lease.pool._check_own(lease)
+    if len(grads) != len(layout.slots):
+        raise LayoutMismatchError(
+            f"got {len(grads)} gradients for a layout of {len(layout.slots)}; pass one per slot")
+    for slot, grad in zip(layout.slots, grads):
+        if tuple(grad.shape) != slot.shape:
+            raise LayoutMismatchError(
+                f"gradient {slot.index} has shape {tuple(grad.shape)}; the layout expects "
+                f"{slot.shape}")
+        check_dtype(grad.dtype)
+    if lease.numel != layout.total_numel:
+        raise LayoutMismatchError(
+            f"lease holds {lease.numel} elements; the layout needs {layout.total_numel}")
+
+
+def _account(lease: Lease, layout: ReduceScatterLayout, start: float) -> None:
+    pool = lease.pool
+    if pool.timed_copies:
+        synchronize()
+    size = itemsize(lease.dtype)
+    pool.record_copy(lease, nbytes=layout.total_numel * size,
+                     seconds=time.perf_counter() - start,
+                     padding_bytes=layout.padding_numel * size)
+
+
+def _flat(tensor: ms.Tensor) -> ms.Tensor:
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    return tensor.view(tensor.numel()) if tensor.ndim != 1 else tensor
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(shape: tuple[int, ...], dtype) -> ms.Tensor:
+    # Read-only filler for padding; cached because allocating it costs as much as a small op.
+    return mint.zeros(shape, dtype=dtype)
+
+
+def _rows(grad: ms.Tensor, slot: GradSlot) -> ms.Tensor:
+    """The gradient as ``[W, chunk_numel]``: row r is its r-th chunk along the shard dim."""
+    world = slot.world_size
+    pad = slot.chunk_size * world - slot.shape[slot.shard_dim]
+    if slot.shard_dim == 0:
+        flat = _flat(grad)
+        if pad:
+            flat = mint.cat([flat, _zeros((pad * slot.chunk_numel // slot.chunk_size,), grad.dtype)])
+        return flat.view(world, slot.chunk_numel)
+    grad = grad if grad.is_contiguous() else grad.contiguous()
+    if pad:
+        pad_shape = slot.shape[:slot.shard_dim] + (pad,) + slot.shape[slot.shard_dim + 1:]
+        grad = mint.cat([grad, _zeros(pad_shape, grad.dtype)], dim=slot.shard_dim)
+    outer = 1
+    for d in slot.shape[:slot.shard_dim]:
+        outer *= d
+    inner = slot.chunk_numel // (outer * slot.chunk_size)
+    split = grad.view(outer, world, slot.chunk_size * inner)
+    return split.permute(1, 0, 2).contiguous().view(world, slot.chunk_numel)
+
+
+def _assemble(grads: Sequence[ms.Tensor], layout: ReduceScatterLayout) -> ms.Tensor:
+    """The bucket's content as one flat tensor (the gradient itself for an identity layout)."""
+    if layout.is_identity():
+        return _flat(grads[0])
+    dtypes = {g.dtype for g in grads}
+    common = dtypes.pop() if len(dtypes) == 1 else None
+    world = layout.world_size
+    pieces = []
+    cursor = 0
+    for slot, grad in zip(layout.slots, grads):
+        if common is None:
+            grad = grad.astype(ms.float32)
+        if slot.offset > cursor:
+            pieces.append(_zeros((world, slot.offset - cursor), grad.dtype))
+        pieces.append(_rows(grad, slot))
+        cursor = slot.offset + slot.chunk_numel
+    if layout.row_numel > cursor:
+        pieces.append(_zeros((world, layout.row_numel - cursor), pieces[-1].dtype))
+    out = mint.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
+    return out.view(layout.total_numel)
+
+
+def _write(lease: Lease, src: ms.Tensor) -> None:
+    """Overwrite all of ``lease.tensor`` with flat ``src`` (any supported dtype)."""
+    dst = lease.tensor
+    if lease.is_whole_bucket:
+        dst.copy_(src)
+        return
+    if src.dtype != dst.dtype:
+        src = src.astype(dst.dtype)
+    writable_view(dst)[:] = writable_view(src)

@@ -1,0 +1,48 @@
+"""Typed errors raised at gradpool's public boundary.
+
+Every error names the value that was wrong and, where there is one, what to do instead.
+"""
+
+
+class GradPoolError(Exception):
+    """Base class of every error gradpool raises on purpose."""
+
+
+class InvalidArgumentError(GradPoolError, ValueError):
+    """An argument has a value the API cannot accept (a size, a world size, an op name)."""
+
+
+class UnsupportedDtypeError(GradPoolError, TypeError):
+    """A dtype the pool does not manage (only floating gradient dtypes are supported)."""
+
+
+class LayoutMismatchError(GradPoolError, ValueError):
+    """Gradients handed to a pack or accumulate do not match the layout they are packed by."""
+
+
+class LeaseStateError(GradPoolError, RuntimeError):
+    """A lease was used after release, or released twice."""
+
+
+class ForeignLeaseError(GradPoolError, ValueError):
+    """A lease was handed to a pool that did not issue it."""
+
+
+class PoolCapacityError(GradPoolError, MemoryError):
+    """An acquire would take the pool past its ``max_cached_bytes`` cap."""
+
+
+class CommError(GradPoolError, RuntimeError):
+    """A collective failed, or was called with buffers of the wrong size or dtype."""
+
+
+class LaunchError(GradPoolError, RuntimeError):
+    """A rank started by ``gradpool.launch`` exited non-zero; the message holds its log tail."""
+
+
+class ConfigError(GradPoolError, ValueError):
+    """A configuration file or override has an unknown key or a bad value."""
+
+
+class GradientIntegrityError(GradPoolError, RuntimeError):
+    """A gradient handed to the reduce path was changed or freed before the path was done."""

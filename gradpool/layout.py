@@ -1,0 +1,160 @@
+"""Where each gradient's rank-chunks sit in a reduce-scatter bucket. Pure Python, no MindSpore.
+
+The input bucket of world size W is viewed as ``[W, row_numel]``. Row ``r`` holds, for every
+gradient in order, that gradient's ``r``-th chunk along its shard dim, so one reduce-scatter of
+the flat bucket leaves rank ``r`` with row ``r``: its contiguous shard of every gradient.
+
+* Uneven shards: the shard dim is padded up to ``W * chunk_size`` (``chunk_size = ceil(d / W)``),
+  so all W chunks of a gradient have the same length; the padded rows are zero.
+* Alignment: each chunk starts at a multiple of ``alignment`` elements inside its row, and the
+  row length is a multiple of ``alignment`` too, so every chunk of every row is aligned.
+* A shard dim other than 0 chunks along that dim; the chunk is stored contiguously with the shard
+  dim at its original position (shape ``chunk_shape``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from gradpool.errors import InvalidArgumentError
+
+Shape = tuple[int, ...]
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class GradSlot:
+    """One gradient's place in the bucket (offsets in elements)."""
+
+    index: int
+    shape: Shape
+    shard_dim: int
+    chunk_size: int      # length of the shard dim in one rank's chunk (ceil(d / W))
+    offset: int          # where this gradient's chunk starts inside each row
+    world_size: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def chunk_shape(self) -> Shape:
+        return self.shape[: self.shard_dim] + (self.chunk_size,) + self.shape[self.shard_dim + 1:]
+
+    @property
+    def chunk_numel(self) -> int:
+        return math.prod(self.chunk_shape)
+
+    @property
+    def padded_shape(self) -> Shape:
+        """The gradient's shape with the shard dim padded to ``W * chunk_size``."""
+        return self.shape[: self.shard_dim] + (self.chunk_size * self.world_size,) \
+            + self.shape[self.shard_dim + 1:]
+
+    @property
+    def shard_padding_numel(self) -> int:
+        """Elements added to make the shard dim divisible by W."""
+        return self.chunk_numel * self.world_size - self.numel
+
+    def valid_length(self, rank: int) -> int:
+        """How many entries of ``rank``'s chunk along the shard dim are real gradient (not pad)."""
+        start = rank * self.chunk_size
+        return max(0, min(self.chunk_size, self.shape[self.shard_dim] - start))
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        """[start, end) of this gradient's shard inside one rank's output row."""
+        return self.offset, self.offset + self.chunk_numel
+
+
+@dataclass(frozen=True)
+class ReduceScatterLayout:
+    """A frozen plan for one bucket: build it with :meth:`build`."""
+
+    world_size: int
+    alignment: int
+    slots: tuple[GradSlot, ...]
+    row_numel: int
+
+    @classmethod
+    def build(cls, shapes: Sequence[Sequence[int]], world_size: int, alignment: int = 1,
+              shard_dims: Sequence[int] | None = None) -> "ReduceScatterLayout":
+        if not isinstance(world_size, int) or world_size < 1:
+            raise InvalidArgumentError(f"world_size must be an int >= 1, got {world_size!r}")
+        if not isinstance(alignment, int) or alignment < 1:
+            raise InvalidArgumentError(f"alignment must be an int >= 1 (elements), got {alignment!r}")
+        shapes = [tuple(int(d) for d in s) for s in shapes]
+        if not shapes:
+            raise InvalidArgumentError("a layout needs at least one gradient shape, got an empty list")
+        if shard_dims is None:
+            shard_dims = [0] * len(shapes)
+        if len(shard_dims) != len(shapes):
+            raise InvalidArgumentError(
+                f"shard_dims has {len(shard_dims)} entries for {len(shapes)} shapes; give one per shape")
+        slots = []
+        cursor = 0
+        for index, (shape, dim) in enumerate(zip(shapes, shard_dims)):
+            if len(shape) == 0 or any(d < 1 for d in shape):
+                raise InvalidArgumentError(
+                    f"gradient {index} has shape {shape}; shapes need >= 1 dim and every dim >= 1")
+            if not 0 <= dim < len(shape):
+                raise InvalidArgumentError(
+                    f"gradient {index} of shape {shape} cannot be sharded on dim {dim}")
+            cursor = _round_up(cursor, alignment)
+            slot = GradSlot(index=index, shape=shape, shard_dim=dim,
+                            chunk_size=-(-shape[dim] // world_size), offset=cursor,
+                            world_size=world_size)
+            slots.append(slot)
+            cursor += slot.chunk_numel
+        return cls(world_size=world_size, alignment=alignment, slots=tuple(slots),
+                   row_numel=_round_up(cursor, alignment))
+
+    @property
+    def total_numel(self) -> int:
+        """Elements in the whole input bucket (``W * row_numel``)."""
+        return self.world_size * self.row_numel
+
+    @property
+    def data_numel(self) -> int:
+        """Elements of real gradient data in the bucket."""
+        return sum(slot.numel for slot in self.slots)
+
+    @property
+    def padding_numel(self) -> int:
+        """Elements of the bucket that hold no gradient (uneven-shard rows and alignment gaps)."""
+        return self.total_numel - self.data_numel
+
+    @property
+    def shapes(self) -> tuple[Shape, ...]:
+        return tuple(slot.shape for slot in self.slots)
+
+    def flat_range(self, index: int, rank: int) -> tuple[int, int]:
+        """Flat [start, end) in the input bucket of gradient ``index``'s ``rank``-th chunk."""
+        slot = self.slots[index]
+        base = rank * self.row_numel + slot.offset
+        return base, base + slot.chunk_numel
+
+    def gaps(self) -> tuple[tuple[int, int], ...]:
+        """In-row [start, end) ranges that belong to no gradient (alignment gaps and row tail)."""
+        out = []
+        cursor = 0
+        for slot in self.slots:
+            if slot.offset > cursor:
+                out.append((cursor, slot.offset))
+            cursor = slot.offset + slot.chunk_numel
+        if self.row_numel > cursor:
+            out.append((cursor, self.row_numel))
+        return tuple(out)
+
+    def is_identity(self) -> bool:
+        """True when the bucket is byte-for-byte the flat gradient: one gradient, shard dim 0,
+        evenly divisible, no alignment gap. Only then can a collective read a gradient in place."""
+        if len(self.slots) != 1:
+            return False
+        slot = self.slots[0]
+        return slot.shard_dim == 0 and slot.shard_padding_numel == 0 \
+            and self.padding_numel == 0

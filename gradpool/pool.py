@@ -1,0 +1,392 @@
+"""BucketPool: pre-allocated flat buckets per (dtype, device), leased and recycled after a fence.
+
+Ownership rule (the reason this module exists): storage is only ever released by
+:func:`_release_storage`, which takes a ``_Bucket`` record. A ``_Bucket`` is created only by
+:meth:`BucketPool._allocate`, so the pool can never free a tensor it did not allocate, whatever a
+caller passes in. Recycling never frees anything; only :meth:`BucketPool.trim` does, and only for
+idle buckets with no live lease and no pending fence.
+
+Lifetimes:
+
+* ``acquire`` -> ``Lease`` (live) -> ``lease.release(fence)`` -> bucket *fenced* until
+  ``fence.is_completed()`` -> (poisoned with NaN if asked) -> *free*, acquirable again.
+* When every bucket of a dtype is fenced, ``acquire`` allocates a new one, unless that would pass
+  ``max_buckets_in_flight`` (then it waits on the oldest fence and counts the stall) or
+  ``max_cached_bytes`` (then it first waits on a fence that frees a large enough bucket, and
+  otherwise raises :class:`PoolCapacityError`).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional, Protocol
+
+import mindspore as ms
+from mindspore import mint
+
+from gradpool.errors import (ForeignLeaseError, InvalidArgumentError, LeaseStateError,
+                             PoolCapacityError, UnsupportedDtypeError)
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_DTYPES = (ms.float32, ms.float16, ms.bfloat16)
+_ITEMSIZE = {ms.float32: 4, ms.float16: 2, ms.bfloat16: 2}
+_pool_ids = itertools.count(1)
+
+
+class Fence(Protocol):
+    """Anything that says when a collective reading a bucket is done (a comm handle)."""
+
+    def wait(self) -> Any: ...
+
+    def is_completed(self) -> bool: ...
+
+
+def check_dtype(dtype) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise UnsupportedDtypeError(f"dtype {dtype} is not supported; supported dtypes: {names}")
+
+
+def itemsize(dtype) -> int:
+    check_dtype(dtype)
+    return _ITEMSIZE[dtype]
+
+
+@dataclass
+class PoolStats:
+    """A snapshot of the pool's counters (``BucketPool.stats()`` returns a copy)."""
+
+    new_allocations: int = 0
+    reuses: int = 0
+    bytes_reserved: int = 0
+    high_water_bytes: int = 0
+    live_leases: int = 0
+    fenced_buckets: int = 0
+    free_buckets: int = 0
+    bytes_copied: int = 0
+    copy_seconds: float = 0.0
+    stall_seconds: float = 0.0
+    stalls: int = 0
+    padding_bytes: int = 0
+    trimmed_bytes: int = 0
+
+    @property
+    def copy_gbps(self) -> float:
+        return self.bytes_copied / self.copy_seconds / 1e9 if self.copy_seconds > 0 else 0.0
+
+
+@dataclass(eq=False)
+class _Bucket:
+    """Pool-internal record of one allocation. Never handed out; leases refer to it."""
+
+    tensor: ms.Tensor         # the whole allocation, flat, created by the pool
+    dtype: Any
+    capacity: int             # elements
+    fence: Optional[Fence] = None
+    lease: Optional["Lease"] = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * _ITEMSIZE[self.dtype]
+
+
+def _release_storage(bucket: _Bucket) -> None:
+    """The only place gradpool releases storage; it takes a pool record, never a caller tensor."""
+    bucket.tensor.untyped_storage().resize_(0)
+
+
+def _nan_bits(dtype):
+    """A value that, written through ``writable_view``, makes every element NaN."""
+    return 0x7FC0 if dtype == ms.bfloat16 else float("nan")
+
+
+def writable_view(tensor: ms.Tensor) -> ms.Tensor:
+    """A view of ``tensor`` that slice-assignment can write on every backend.
+
+    On the CPU backend slice-assignment into bfloat16 raises ("type_id:45 is invalid"), so
+    bfloat16 is written through an int16 view of the same storage (a bit-exact copy)."""
+    return tensor.view(ms.int16) if tensor.dtype == ms.bfloat16 else tensor
+
+
+class Lease:
+    """A live claim on one bucket; ``.tensor`` is a flat view of exactly ``numel`` elements."""
+
+    def __init__(self, pool: "BucketPool", bucket: _Bucket, numel: int):
+        self._pool = pool
+        self._bucket = bucket
+        self.numel = numel
+        self.dtype = bucket.dtype
+        self._tensor = bucket.tensor if numel == bucket.capacity else bucket.tensor[0:numel]
+        self._released = False
+
+    @property
+    def pool(self) -> "BucketPool":
+        return self._pool
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def tensor(self) -> ms.Tensor:
+        if self._released:
+            raise LeaseStateError(
+                f"lease of {self.numel} x {self.dtype} was released; its bucket may already hold "
+                "another gradient. Read .tensor before release(), or acquire a new lease")
+        return self._tensor
+
+    @property
+    def is_whole_bucket(self) -> bool:
+        """True when ``.tensor`` is the entire allocation (whole-tensor ``copy_`` is valid)."""
+        return self.numel == self._bucket.capacity
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _ITEMSIZE[self.dtype]
+
+    def release(self, fence: Optional[Fence] = None) -> None:
+        """Give the bucket back; it is reused only after ``fence`` (None: already done) completes."""
+        self._pool.release(self, fence)
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else "live"
+        return f"Lease({self.numel} x {self.dtype}, {state})"
+
+
+@dataclass
+class _FreeLists:
+    free: list = field(default_factory=list)     # idle buckets, no fence
+    fenced: list = field(default_factory=list)   # released, waiting for their fence (FIFO)
+
+
+class BucketPool:
+    """A pool of flat communication buckets owned by gradpool.
+
+    ``alignment_bytes``: bucket sizes are rounded up to this many bytes (512 is Ascend's rule).
+    ``max_cached_bytes``: cap on bytes the pool holds at once (None: no cap).
+    ``max_buckets_in_flight``: cap on buckets per dtype; past it ``acquire`` waits for a fence.
+    ``poison_on_release``: fill a bucket with NaN when its fence completes, before any reuse.
+    ``timed_copies``: synchronize the device after each pack so ``copy_seconds`` is the real
+    copy time (turn off on Ascend to keep packing and communication overlapped).
+    """
+
+    def __init__(self, device: str = "CPU", alignment_bytes: int = 512,
+                 max_cached_bytes: Optional[int] = None, poison_on_release: bool = False,
+                 max_buckets_in_flight: Optional[int] = None, timed_copies: bool = True):
+        if not isinstance(alignment_bytes, int) or alignment_bytes < 2 or alignment_bytes % 4:
+            raise InvalidArgumentError(
+                f"alignment_bytes must be a positive multiple of 4, got {alignment_bytes!r}")
+        if max_cached_bytes is not None and max_cached_bytes <= 0:
+            raise InvalidArgumentError(
+                f"max_cached_bytes must be positive or None, got {max_cached_bytes!r}")
+        if max_buckets_in_flight is not None and max_buckets_in_flight < 1:
+            raise InvalidArgumentError(
+                f"max_buckets_in_flight must be >= 1 or None, got {max_buckets_in_flight!r}")
+        self.device = device
+        self.alignment_bytes = alignment_bytes
+        self.max_cached_bytes = max_cached_bytes
+        self.max_buckets_in_flight = max_buckets_in_flight
+        self.poison_on_release = poison_on_release
+        self.timed_copies = timed_copies
+        self.pool_id = next(_pool_ids)
+        self._lists: dict[tuple, _FreeLists] = {}
+        self._live: set[Lease] = set()
+        self._stats = PoolStats()
+
+    # -- public API -------------------------------------------------------------------------
+    def alignment_elements(self, dtype) -> int:
+        return max(1, self.alignment_bytes // itemsize(dtype))
+
+    def reserve(self, dtype, numel: int, count: int = 1) -> None:
+        """Pre-allocate ``count`` idle buckets of ``numel`` elements (rounded up to alignment)."""
+        self._check_request(numel, dtype)
+        if not isinstance(count, int) or count < 1:
+            raise InvalidArgumentError(f"count must be an int >= 1, got {count!r}")
+        capacity = self._capacity_for(numel, dtype)
+        needed = capacity * itemsize(dtype) * count
+        self._check_cap(needed, numel * itemsize(dtype))
+        for _ in range(count):
+            self._lists_for(dtype).free.append(self._allocate(capacity, dtype))
+
+    def acquire(self, numel: int, dtype) -> Lease:
+        """Lease a bucket of at least ``numel`` elements of ``dtype``; ``.tensor`` has exactly numel."""
+        self._check_request(numel, dtype)
+        lists = self._lists_for(dtype)
+        self._reap(lists)
+        bucket = self._take_free(lists, numel)
+        if bucket is None:
+            bucket = self._grow_or_wait(lists, numel, dtype)
+        else:
+            self._stats.reuses += 1
+        lease = Lease(self, bucket, numel)
+        bucket.lease = lease
+        self._live.add(lease)
+        return lease
+
+    def release(self, lease: Lease, fence: Optional[Fence] = None) -> None:
+        if not isinstance(lease, Lease) or lease.pool is not self:
+            owner = getattr(getattr(lease, "pool", None), "pool_id", None)
+            raise ForeignLeaseError(
+                f"{lease!r} was issued by pool {owner}, not by this pool ({self.pool_id}); "
+                "release it through the pool that issued it")
+        if lease.released:
+            raise LeaseStateError(f"{lease!r} was already released; a lease is released once")
+        lease._released = True
+        self._live.discard(lease)
+        bucket = lease._bucket
+        bucket.lease = None
+        bucket.fence = fence
+        lists = self._lists_for(bucket.dtype)
+        if fence is None or fence.is_completed():
+            self._recycle(lists, bucket)
+        else:
+            lists.fenced.append(bucket)
+
+    def trim(self) -> int:
+        """Release the storage of idle buckets (no lease, fence completed). Returns bytes freed."""
+        freed = 0
+        for lists in self._lists.values():
+            self._reap(lists)
+            for bucket in lists.free:
+                _release_storage(bucket)
+                freed += bucket.nbytes
+            lists.free.clear()
+        self._stats.bytes_reserved -= freed
+        self._stats.trimmed_bytes += freed
+        if freed:
+            logger.debug("trimmed %d bytes", freed)
+        return freed
+
+    def wait_all(self) -> None:
+        """Wait for every pending fence, then recycle those buckets."""
+        for lists in self._lists.values():
+            while lists.fenced:
+                self._wait_oldest(lists)
+
+    def stats(self) -> PoolStats:
+        for lists in self._lists.values():
+            self._reap(lists)
+        return replace(self._stats,
+                       live_leases=len(self._live),
+                       fenced_buckets=sum(len(l.fenced) for l in self._lists.values()),
+                       free_buckets=sum(len(l.free) for l in self._lists.values()))
+
+    def record_copy(self, lease: Lease, nbytes: int, seconds: float, padding_bytes: int) -> None:
+        """Account a copy into ``lease`` (called by ``gradpool.copy``)."""
+        self._check_own(lease)
+        self._stats.bytes_copied += nbytes
+        self._stats.copy_seconds += seconds
+        self._stats.padding_bytes += padding_bytes
+
+    # -- internals ----------------------------------------------------------------------------
+    def _check_own(self, lease: Lease) -> None:
+        if not isinstance(lease, Lease) or lease.pool is not self:
+            raise ForeignLeaseError(
+                f"{lease!r} was not issued by this pool ({self.pool_id}); use the issuing pool")
+        if lease.released:
+            raise LeaseStateError(f"{lease!r} was released; acquire a new lease")
+
+    def _check_request(self, numel, dtype) -> None:
+        if not isinstance(numel, int) or isinstance(numel, bool) or numel <= 0:
+            raise InvalidArgumentError(f"numel must be a positive int, got {numel!r}")
+        check_dtype(dtype)
+
+    def _check_cap(self, new_bytes: int, requested_bytes: int,
+                   shown_bytes: Optional[int] = None) -> None:
+        cap = self.max_cached_bytes
+        if cap is not None and self._stats.bytes_reserved + new_bytes > cap:
+            raise PoolCapacityError(
+                f"acquire of {requested_bytes} bytes (bucket {shown_bytes or new_bytes} bytes) would exceed "
+                f"max_cached_bytes={cap}: the pool already caches {self._stats.bytes_reserved} "
+                "bytes. Raise max_cached_bytes, release leases, or trim()")
+
+    def _capacity_for(self, numel: int, dtype) -> int:
+        align = self.alignment_elements(dtype)
+        return -(-numel // align) * align
+
+    def _lists_for(self, dtype) -> _FreeLists:
+        return self._lists.setdefault((dtype, self.device), _FreeLists())
+
+    def _allocate(self, capacity: int, dtype) -> _Bucket:
+        tensor = mint.empty(capacity, dtype=dtype)
+        bucket = _Bucket(tensor=tensor, dtype=dtype, capacity=capacity)
+        self._stats.new_allocations += 1
+        self._stats.bytes_reserved += bucket.nbytes
+        self._stats.high_water_bytes = max(self._stats.high_water_bytes, self._stats.bytes_reserved)
+        return bucket
+
+    @staticmethod
+    def _take_free(lists: _FreeLists, numel: int) -> Optional[_Bucket]:
+        fits = [b for b in lists.free if b.capacity >= numel]
+        if not fits:
+            return None
+        best = min(fits, key=lambda b: b.capacity)
+        lists.free.remove(best)
+        return best
+
+    def _grow_or_wait(self, lists: _FreeLists, numel: int, dtype) -> _Bucket:
+        capacity = self._capacity_for(numel, dtype)
+        nbytes = capacity * itemsize(dtype)
+        in_flight = len(lists.fenced) + sum(1 for l in self._live if l.dtype == dtype)
+        at_bucket_cap = self.max_buckets_in_flight is not None \
+            and in_flight >= self.max_buckets_in_flight
+        cap = self.max_cached_bytes
+        over_bytes = cap is not None and self._stats.bytes_reserved + nbytes > cap
+        if (at_bucket_cap or over_bytes) and lists.fenced:
+            # Wait for fences oldest first until a large enough bucket is free.
+            while lists.fenced:
+                self._wait_oldest(lists)
+                bucket = self._take_free(lists, numel)
+                if bucket is not None:
+                    self._stats.reuses += 1
+                    return bucket
+        if over_bytes:
+            idle = sum(b.nbytes for l in self._lists.values() for b in l.free)
+            # Refuse before evicting anything, so a refused acquire leaves the pool as it was.
+            self._check_cap(nbytes - idle, numel * itemsize(dtype), shown_bytes=nbytes)
+            self._evict_idle(nbytes)
+        self._check_cap(nbytes, numel * itemsize(dtype))
+        return self._allocate(capacity, dtype)
+
+    def _evict_idle(self, needed: int) -> None:
+        """Free idle buckets (smallest first, any dtype) until ``needed`` more bytes fit the cap."""
+        idle = sorted((b for l in self._lists.values() for b in l.free), key=lambda b: b.nbytes)
+        for bucket in idle:
+            if self._stats.bytes_reserved + needed <= self.max_cached_bytes:
+                return
+            self._lists_for(bucket.dtype).free.remove(bucket)
+            _release_storage(bucket)
+            self._stats.bytes_reserved -= bucket.nbytes
+            self._stats.trimmed_bytes += bucket.nbytes
+
+    def _wait_oldest(self, lists: _FreeLists) -> None:
+        bucket = lists.fenced.pop(0)
+        start = time.perf_counter()
+        try:
+            bucket.fence.wait()
+        except Exception as exc:  # noqa: BLE001
+            # A fence whose wait() raised is over all the same: the bucket is reusable, and the
+            # error belongs to whoever waits on that handle for its result, not to this acquire.
+            logger.warning("fence of a %s bucket failed while the pool waited on it: %s",
+                           bucket.dtype, exc)
+        self._stats.stall_seconds += time.perf_counter() - start
+        self._stats.stalls += 1
+        self._recycle(lists, bucket)
+
+    def _reap(self, lists: _FreeLists) -> None:
+        still = []
+        for bucket in lists.fenced:
+            if bucket.fence.is_completed():
+                self._recycle(lists, bucket)
+            else:
+                still.append(bucket)
+        lists.fenced[:] = still
+
+    def _recycle(self, lists: _FreeLists, bucket: _Bucket) -> None:
+        bucket.fence = None
+        if self.poison_on_release:
+            writable_view(bucket.tensor)[:] = _nan_bits(bucket.dtype)
+        lists.free.append(bucket)

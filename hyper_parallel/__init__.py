@@ -1,0 +1,1 @@
+"""Upstream-compatible ``fully_shard`` surface built on gradpool."""

@@ -1,0 +1,166 @@
+"""gradpool.copy: every write is read back from the bucket and compared with NumPy."""
+import mindspore as ms
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from gradpool import copy as gcopy
+from gradpool.errors import (ForeignLeaseError, LayoutMismatchError, LeaseStateError,
+                             UnsupportedDtypeError)
+from gradpool.layout import ReduceScatterLayout
+from gradpool.pool import BucketPool
+from npref import exact_grid, np_pack, np_shards, raw_bytes, values
+
+ms.set_device("CPU")
+DTYPES = [ms.float32, ms.float16, ms.bfloat16]
+SHAPES = [[(7, 3), (16,)], [(5,)], [(9, 2, 3), (1, 4), (33,)], [(8, 4)]]
+
+
+def tensors(arrays, dtype, transposed=False):
+    out = []
+    for a in arrays:
+        if transposed and a.ndim == 2 and min(a.shape) > 1:
+            # a non-contiguous view with the same shape and values
+            t = ms.Tensor(np.ascontiguousarray(a.T).astype(np.float32)).astype(dtype).T
+            assert not t.is_contiguous()
+        else:
+            t = ms.Tensor(a.astype(np.float32)).astype(dtype)
+        out.append(t)
+    return out
+
+
+@pytest.mark.parametrize("grad_dtype", DTYPES)
+@pytest.mark.parametrize("bucket_dtype", DTYPES)
+@pytest.mark.parametrize("shapes", SHAPES)
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_pack_reads_back_as_numpy_pack(grad_dtype, bucket_dtype, shapes, world):
+    rng = np.random.default_rng(world)
+    arrays = [exact_grid(rng, s) for s in shapes]
+    layout = ReduceScatterLayout.build(shapes, world, alignment=16)
+    pool = BucketPool(poison_on_release=True)
+    pool.acquire(layout.total_numel, bucket_dtype).release()     # poisoned: padding must be zeroed
+    lease = pool.acquire(layout.total_numel, bucket_dtype)
+    gcopy.pack(lease, tensors(arrays, grad_dtype, transposed=True), layout)
+    np.testing.assert_array_equal(values(lease.tensor), np_pack(arrays, layout))
+    lease.release()
+
+
+@pytest.mark.parametrize("bucket_dtype", DTYPES)
+def test_pack_into_part_of_a_larger_bucket(bucket_dtype):
+    """A lease smaller than its bucket is a view; the write must land and stay inside it."""
+    pool = BucketPool()
+    pool.acquire(4096, bucket_dtype).release()
+    layout = ReduceScatterLayout.build([(10, 3)], 2, 1)
+    lease = pool.acquire(layout.total_numel, bucket_dtype)
+    assert not lease.is_whole_bucket
+    arrays = [exact_grid(np.random.default_rng(0), (10, 3))]
+    gcopy.pack(lease, tensors(arrays, ms.float32), layout)
+    np.testing.assert_array_equal(values(lease.tensor), np_pack(arrays, layout))
+    lease.release()
+
+
+@pytest.mark.parametrize("bucket_dtype", DTYPES)
+@pytest.mark.parametrize("whole", [True, False])
+def test_accumulate_adds_micro_steps(bucket_dtype, whole):
+    pool = BucketPool(alignment_bytes=4)
+    if not whole:
+        pool.acquire(8192, bucket_dtype).release()
+    shapes = [(7, 3), (5,), (4, 4)]
+    layout = ReduceScatterLayout.build(shapes, 2, 16, shard_dims=[0, 0, 1])
+    rng = np.random.default_rng(3)
+    steps = [[exact_grid(rng, s) for s in shapes] for _ in range(3)]
+    lease = pool.acquire(layout.total_numel, bucket_dtype)
+    assert lease.is_whole_bucket == whole
+    gcopy.pack(lease, tensors(steps[0], ms.float32), layout)
+    for arrays in steps[1:]:
+        gcopy.accumulate(lease, tensors(arrays, ms.bfloat16), layout)
+    want = sum(np_pack(a, layout) for a in steps)
+    np.testing.assert_array_equal(values(lease.tensor), want)
+    lease.release()
+
+
+def test_shard_views_are_views_of_the_output():
+    shapes = [(7, 3), (5,), (4, 6)]
+    layout = ReduceScatterLayout.build(shapes, 2, 16, shard_dims=[0, 0, 1])
+    row = np.arange(layout.row_numel, dtype=np.float32)
+    out = ms.Tensor(row.copy())
+    views = gcopy.shard_views(out, layout)
+    assert [tuple(v.shape) for v in views] == [(4, 3), (3,), (4, 3)]
+    for got, want in zip(views, np_shards(row, layout)):
+        np.testing.assert_array_equal(values(got), want)
+        assert got.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+
+
+@settings(max_examples=25, deadline=None)
+@given(shapes=st.lists(st.tuples(st.integers(1, 13), st.integers(1, 4)), min_size=1, max_size=4),
+       world=st.integers(1, 4), alignment=st.sampled_from([1, 16, 128]),
+       dtype=st.sampled_from(DTYPES))
+def test_pack_property(shapes, world, alignment, dtype):
+    arrays = [exact_grid(np.random.default_rng(len(shapes)), s) for s in shapes]
+    layout = ReduceScatterLayout.build(shapes, world, alignment)
+    pool = BucketPool()
+    lease = pool.acquire(layout.total_numel, dtype)
+    gcopy.pack(lease, tensors(arrays, ms.float32), layout)
+    np.testing.assert_array_equal(values(lease.tensor), np_pack(arrays, layout))
+    lease.release()
+
+
+def test_pack_leaves_the_source_untouched_and_counts_bytes():
+    pool = BucketPool()
+    grad = ms.Tensor(np.arange(64, dtype=np.float32))
+    before = raw_bytes(grad)
+    layout = ReduceScatterLayout.build([(64,)], 1)
+    lease = pool.acquire(64, ms.float32)
+    gcopy.pack(lease, [grad], layout)
+    grad_view = grad.reshape(8, 8)
+    assert raw_bytes(grad) == before and raw_bytes(grad_view) == before
+    s = pool.stats()
+    assert s.bytes_copied == 256 and s.copy_seconds > 0 and s.padding_bytes == 0
+    lease.release()
+
+
+# -- bad input --------------------------------------------------------------------------------
+def _setup():
+    pool = BucketPool()
+    lease = pool.acquire(LAYOUT.total_numel, ms.float32)
+    wrong_size = pool.acquire(LAYOUT.total_numel + 1, ms.float32)
+    released = pool.acquire(LAYOUT.total_numel, ms.float32)
+    released.release()
+    grads = [ms.Tensor(np.zeros((4, 2), np.float32)), ms.Tensor(np.zeros(3, np.float32))]
+    return pool, dict(ok=lease, wrong_size=wrong_size, released=released), grads
+
+
+BAD_PACKS = {
+    "count": (lambda l, g: gcopy.pack(l["ok"], g[:1], LAYOUT), LayoutMismatchError,
+              "got 1 gradients for a layout of 2"),
+    "shape": (lambda l, g: gcopy.pack(l["ok"], [g[0], ms.Tensor(np.zeros(5, np.float32))], LAYOUT),
+              LayoutMismatchError, "gradient 1 has shape (5,); the layout expects (3,)"),
+    "dtype": (lambda l, g: gcopy.pack(l["ok"], [g[0], ms.Tensor(np.zeros(3, np.int32))], LAYOUT),
+              UnsupportedDtypeError, "Int32"),
+    "released": (lambda l, g: gcopy.accumulate(l["released"], g, LAYOUT), LeaseStateError,
+                 "released"),
+    "size": (lambda l, g: gcopy.pack(l["wrong_size"], g, LAYOUT), LayoutMismatchError,
+             "lease holds 13 elements; the layout needs 12"),
+}
+LAYOUT = ReduceScatterLayout.build([(4, 2), (3,)], 2, 1)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_PACKS))
+def test_bad_pack_raises_and_leaves_stats(case):
+    pool, leases, grads = _setup()
+    call, error, needle = BAD_PACKS[case]
+    before = pool.stats()
+    with pytest.raises(error) as err:
+        call(leases, grads)
+    assert needle in str(err.value)
+    assert pool.stats() == before
+
+
+def test_foreign_lease_is_refused():
+    pool, other = BucketPool(), BucketPool()
+    lease = other.acquire(8, ms.float32)
+    before = pool.stats()
+    with pytest.raises(ForeignLeaseError) as err:
+        pool.release(lease)
+    assert f"issued by pool {other.pool_id}" in str(err.value)
+    assert pool.stats() == before and not lease.released

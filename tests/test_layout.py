@@ -1,0 +1,103 @@
+"""gradpool.layout against a NumPy model of a reduce-scatter (no MindSpore needed)."""
+import math
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from gradpool.errors import InvalidArgumentError
+from gradpool.layout import ReduceScatterLayout
+from npref import np_pack, np_shards
+
+
+shape_st = st.lists(st.integers(1, 5), min_size=0, max_size=3).flatmap(
+    lambda rest: st.integers(1, 37).map(lambda d0: (d0, *rest)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(shapes=st.lists(shape_st, min_size=1, max_size=5), world=st.integers(1, 8),
+       alignment=st.sampled_from([1, 16, 128]), data=st.data())
+def test_reduce_scatter_through_layout_matches_numpy(shapes, world, alignment, data):
+    dims = [data.draw(st.integers(0, len(s) - 1)) for s in shapes]
+    layout = ReduceScatterLayout.build(shapes, world, alignment, shard_dims=dims)
+    rng = np.random.default_rng(0)
+    per_rank_grads = [[rng.standard_normal(s) for s in shapes] for _ in range(world)]
+    buckets = np.stack([np_pack(g, layout) for g in per_rank_grads])
+    reduced = buckets.sum(axis=0).reshape(world, layout.row_numel)   # what reduce-scatter does
+    for rank in range(world):
+        got = np_shards(reduced[rank], layout)
+        for slot, shard in zip(layout.slots, got):
+            total = sum(g[slot.index] for g in per_rank_grads)
+            start = rank * slot.chunk_size
+            valid = slot.valid_length(rank)
+            want = np.take(total, range(start, start + valid), axis=slot.shard_dim)
+            np.testing.assert_allclose(
+                np.take(shard, range(valid), axis=slot.shard_dim), want, rtol=1e-12)
+            tail = np.take(shard, range(valid, slot.chunk_size), axis=slot.shard_dim)
+            assert not tail.any(), "uneven-shard padding rows must stay zero"
+
+
+@settings(max_examples=200, deadline=None)
+@given(shapes=st.lists(shape_st, min_size=1, max_size=6), world=st.integers(1, 8),
+       alignment=st.sampled_from([1, 16, 128]))
+def test_offsets_aligned_disjoint_and_padding_reported(shapes, world, alignment):
+    layout = ReduceScatterLayout.build(shapes, world, alignment)
+    assert layout.row_numel % alignment == 0
+    ranges = sorted(layout.flat_range(i, r) for i in range(len(shapes)) for r in range(world))
+    for (s0, e0), (s1, _) in zip(ranges, ranges[1:]):
+        assert e0 <= s1, "chunks overlap"
+    assert all(s % alignment == 0 for s, _ in ranges)
+    assert ranges[-1][1] <= layout.total_numel
+    used = sum(e - s for s, e in ranges)
+    shard_pad = sum(s.shard_padding_numel for s in layout.slots)
+    gaps = sum(e - s for s, e in layout.gaps()) * world
+    assert layout.padding_numel == layout.total_numel - sum(math.prod(s) for s in shapes)
+    assert layout.padding_numel == shard_pad + gaps
+    assert used + gaps == layout.total_numel
+
+
+def test_example_offsets():
+    layout = ReduceScatterLayout.build([(5, 3), (4,)], world_size=2, alignment=4)
+    assert [s.offset for s in layout.slots] == [0, 12]
+    assert [s.chunk_shape for s in layout.slots] == [(3, 3), (2,)]
+    assert layout.row_numel == 16 and layout.total_numel == 32
+    assert layout.padding_numel == 32 - 19
+    assert layout.slots[0].valid_length(1) == 2
+    assert layout.flat_range(1, 1) == (28, 30)
+    assert layout.gaps() == ((9, 12), (14, 16))
+
+
+def test_identity_only_for_single_even_unpadded_gradient():
+    assert ReduceScatterLayout.build([(8, 4)], 2, 16).is_identity()
+    assert not ReduceScatterLayout.build([(7, 4)], 2, 1).is_identity()
+    assert not ReduceScatterLayout.build([(8, 3)], 2, 16).is_identity()
+    assert not ReduceScatterLayout.build([(8, 4), (2,)], 2, 1).is_identity()
+    assert not ReduceScatterLayout.build([(8, 4)], 2, 1, shard_dims=[1]).is_identity()
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(shapes=[(4,)], world_size=0), "world_size must be an int >= 1, got 0"),
+    (dict(shapes=[(4,)], world_size=-3), "got -3"),
+    (dict(shapes=[], world_size=2), "empty list"),
+    (dict(shapes=[(4, 0)], world_size=2), "(4, 0)"),
+    (dict(shapes=[(4,)], world_size=2, alignment=0), "alignment must be an int >= 1"),
+    (dict(shapes=[(4, 2)], world_size=2, shard_dims=[2]), "dim 2"),
+])
+def test_bad_layouts_name_the_value(kwargs, needle):
+    with pytest.raises(InvalidArgumentError) as err:
+        ReduceScatterLayout.build(**kwargs)
+    assert needle in str(err.value)
+
+
+def test_layout_is_pure_python():
+    import subprocess
+    code = "import sys, gradpool.layout; print('mindspore' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_layout_is_frozen():
+    layout = ReduceScatterLayout.build([(4,)], 2)
+    with pytest.raises(AttributeError):
+        layout.row_numel = 3

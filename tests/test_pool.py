@@ -1,0 +1,248 @@
+"""BucketPool: leases, reuse, fences, trim, poison, ownership, and typed errors for bad input."""
+import ast
+import pathlib
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+from gradpool import copy as gcopy
+from gradpool.errors import (ForeignLeaseError, InvalidArgumentError, LeaseStateError,
+                             PoolCapacityError, UnsupportedDtypeError)
+from gradpool.layout import ReduceScatterLayout
+from gradpool.pool import BucketPool
+from npref import raw_bytes, storage_bytes, values
+
+ms.set_device("CPU")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+class ManualFence:
+    """A fence the test completes by hand; wait() completes it and counts the call."""
+
+    def __init__(self):
+        self.done = False
+        self.waits = 0
+
+    def is_completed(self):
+        return self.done
+
+    def wait(self):
+        self.waits += 1
+        self.done = True
+
+
+def test_acquire_gives_flat_tensor_of_exact_numel():
+    pool = BucketPool()
+    for dtype in (ms.float32, ms.float16, ms.bfloat16):
+        lease = pool.acquire(1000, dtype)
+        assert lease.tensor.shape == (1000,) and lease.tensor.dtype == dtype
+        lease.release()
+
+
+def test_release_then_acquire_reuses_the_bucket():
+    pool = BucketPool()
+    first = pool.acquire(300, ms.float32)
+    ptr = first.tensor.untyped_storage().data_ptr()
+    first.release()
+    second = pool.acquire(200, ms.float32)   # smaller fits the same bucket
+    assert second.tensor.untyped_storage().data_ptr() == ptr
+    assert second.tensor.shape == (200,)
+    s = pool.stats()
+    assert (s.new_allocations, s.reuses, s.live_leases) == (1, 1, 1)
+
+
+def test_repeated_pattern_allocates_only_in_first_cycle():
+    pool = BucketPool()
+    sizes = [(4096, ms.float32), (1000, ms.bfloat16), (77, ms.float16)]
+    for _ in range(20):
+        leases = [pool.acquire(n, d) for n, d in sizes]
+        for lease in leases:
+            lease.release()
+    s = pool.stats()
+    assert s.new_allocations == 3 and s.reuses == 57
+    assert s.high_water_bytes == s.bytes_reserved == (4096 * 4 + 1024 * 2 + 256 * 2)
+
+
+def test_reserve_preallocates():
+    pool = BucketPool()
+    pool.reserve(ms.float32, 1024, count=2)
+    a, b = pool.acquire(1024, ms.float32), pool.acquire(1000, ms.float32)
+    s = pool.stats()
+    assert s.new_allocations == 2 and s.reuses == 2
+    a.release(), b.release()
+
+
+def test_fenced_bucket_is_not_reused_until_fence_completes():
+    pool = BucketPool()
+    lease = pool.acquire(256, ms.float32)
+    ptr = lease.tensor.untyped_storage().data_ptr()
+    fence = ManualFence()
+    lease.release(fence)
+    assert pool.stats().fenced_buckets == 1
+    other = pool.acquire(256, ms.float32)
+    assert other.tensor.untyped_storage().data_ptr() != ptr
+    other.release()
+    fence.done = True
+    again = pool.acquire(256, ms.float32)
+    assert pool.stats().fenced_buckets == 0
+    assert pool.stats().new_allocations == 2
+    again.release()
+
+
+def test_bucket_cap_in_flight_waits_and_counts_the_stall():
+    pool = BucketPool(max_buckets_in_flight=1)
+    lease = pool.acquire(256, ms.float32)
+    fence = ManualFence()
+    lease.release(fence)
+    second = pool.acquire(256, ms.float32)
+    assert fence.waits == 1
+    s = pool.stats()
+    assert s.new_allocations == 1 and s.stalls == 1 and s.stall_seconds >= 0
+    second.release()
+
+
+def test_failed_fence_still_recycles_the_bucket():
+    class FailingFence(ManualFence):
+        def wait(self):
+            self.done = True
+            raise RuntimeError("collective failed")
+
+    pool = BucketPool(max_buckets_in_flight=1)
+    pool.acquire(64, ms.float32).release(FailingFence())
+    lease = pool.acquire(64, ms.float32)
+    assert pool.stats().new_allocations == 1
+    lease.release()
+
+
+def test_trim_frees_only_idle_buckets():
+    pool = BucketPool()
+    idle = pool.acquire(1024, ms.float32)
+    idle_tensor = idle.tensor
+    idle.release()
+    live = pool.acquire(2048, ms.float32)
+    fenced = pool.acquire(4096, ms.float32)
+    fenced_tensor = fenced.tensor
+    fenced.release(ManualFence())
+    freed = pool.trim()
+    assert freed == 1024 * 4
+    assert storage_bytes(idle_tensor) == 0
+    assert storage_bytes(live.tensor) == 2048 * 4
+    assert storage_bytes(fenced_tensor) == 4096 * 4
+    assert pool.stats().bytes_reserved == (2048 + 4096) * 4
+    live.release()
+
+
+@pytest.mark.parametrize("dtype", [ms.float32, ms.float16, ms.bfloat16])
+def test_poison_fills_released_bucket_with_nan(dtype):
+    pool = BucketPool(poison_on_release=True)
+    lease = pool.acquire(100, dtype)
+    view = lease.tensor
+    layout = ReduceScatterLayout.build([(100,)], 1)
+    gcopy.pack(lease, [ms.Tensor(np.ones(100, np.float32))], layout)
+    fence = ManualFence()
+    lease.release(fence)
+    assert np.all(values(view) == 1), "poisoning before the fence completes corrupts a collective"
+    fence.done = True
+    pool.stats()   # reaps completed fences
+    assert np.isnan(values(view)).all()
+
+
+def test_pool_never_frees_or_changes_caller_tensors():
+    """release() and trim() leave every caller tensor intact, including ones the pool copied."""
+    pool = BucketPool(poison_on_release=True)
+    rng = np.random.default_rng(1)
+    grads = [ms.Tensor(rng.standard_normal(s).astype(np.float32)) for s in [(7, 3), (16,)]]
+    bystander = ms.Tensor(rng.standard_normal(64).astype(np.float32))
+    before = [(raw_bytes(t), storage_bytes(t)) for t in grads + [bystander]]
+    layout = ReduceScatterLayout.build([g.shape for g in grads], 2, 16)
+    for dtype in (ms.float32, ms.bfloat16):
+        lease = pool.acquire(layout.total_numel, dtype)
+        gcopy.pack(lease, grads, layout)
+        lease.release()
+    pool.trim()
+    assert [(raw_bytes(t), storage_bytes(t)) for t in grads + [bystander]] == before
+
+
+def test_storage_is_released_only_through_a_pool_bucket_record():
+    """Structural ownership: the single resize_ call in the code base takes a _Bucket."""
+    calls = []
+    for path in list((ROOT / "gradpool").rglob("*.py")) + list((ROOT / "hyper_parallel").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.Attribute) and node.attr == "resize_":
+                        calls.append((path.name, fn.name, [a.annotation for a in fn.args.args]))
+    assert len(calls) == 1, calls
+    name, fn_name, annotations = calls[0]
+    assert (name, fn_name) == ("pool.py", "_release_storage")
+    assert ast.unparse(annotations[0]) == "_Bucket"
+    pool_src = (ROOT / "gradpool" / "pool.py").read_text()
+    constructions = [n for n in ast.walk(ast.parse(pool_src))
+                     if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "_Bucket"]
+    assert len(constructions) == 1, "buckets must be created in exactly one place (_allocate)"
+
+
+# -- bad input: typed error naming the value, stats unchanged ---------------------------------
+def _other_pool_lease():
+    return BucketPool().acquire(8, ms.float32)
+
+
+def _released_lease(pool):
+    lease = pool.acquire(8, ms.float32)
+    lease.release()
+    return lease
+
+
+BAD_CALLS = {
+    "zero numel": (lambda p: p.acquire(0, ms.float32), InvalidArgumentError, "got 0"),
+    "negative numel": (lambda p: p.acquire(-5, ms.float32), InvalidArgumentError, "got -5"),
+    "reserve zero": (lambda p: p.reserve(ms.float32, 0), InvalidArgumentError, "got 0"),
+    "int dtype": (lambda p: p.acquire(8, ms.int32), UnsupportedDtypeError, "Float32, Float16, BFloat16"),
+    "float64": (lambda p: p.acquire(8, ms.float64), UnsupportedDtypeError, "Float64"),
+    "double release": (lambda p: p._double.release(), LeaseStateError, "already released"),
+    "foreign release": (lambda p: p.release(p._foreign), ForeignLeaseError, "not by this pool"),
+    "tensor after release": (lambda p: p._double.tensor, LeaseStateError, "was released"),
+    "over cap": (lambda p: p.acquire(2048, ms.float32), PoolCapacityError, "8192 bytes"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CALLS))
+def test_bad_input_raises_typed_error_and_leaves_stats(case):
+    call, error, needle = BAD_CALLS[case]
+    pool = BucketPool(max_cached_bytes=4096)
+    pool._foreign = _other_pool_lease()
+    pool._double = _released_lease(pool)
+    before = pool.stats()
+    with pytest.raises(error) as err:
+        call(pool)
+    assert needle in str(err.value)
+    assert pool.stats() == before
+
+
+def test_over_cap_message_gives_requested_and_cached_bytes():
+    pool = BucketPool(max_cached_bytes=4096)
+    held = pool.acquire(512, ms.float32)     # 2048 bytes cached
+    with pytest.raises(PoolCapacityError) as err:
+        pool.acquire(1000, ms.float32)
+    msg = str(err.value)
+    assert "4000 bytes" in msg and "caches 2048 bytes" in msg and "max_cached_bytes=4096" in msg
+    held.release()
+
+
+def test_cap_evicts_idle_buckets_before_refusing():
+    pool = BucketPool(max_cached_bytes=4096)
+    pool.acquire(512, ms.float16).release()       # 1024 idle bytes
+    lease = pool.acquire(1000, ms.float32)        # 4096 bytes: fits only after eviction
+    s = pool.stats()
+    assert s.bytes_reserved == 4096 and s.trimmed_bytes == 1024
+    lease.release()
+
+
+@pytest.mark.parametrize("kwargs", [dict(alignment_bytes=3), dict(max_cached_bytes=0),
+                                    dict(max_buckets_in_flight=0)])
+def test_bad_pool_options(kwargs):
+    with pytest.raises(InvalidArgumentError) as err:
+        BucketPool(**kwargs)
+    assert str(list(kwargs.values())[0]) in str(err.value)
