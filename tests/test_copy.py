@@ -2,7 +2,7 @@
 import mindspore as ms
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gradpool import copy as gcopy
 from gradpool.errors import (ForeignLeaseError, LayoutMismatchError, LeaseStateError,
@@ -12,6 +12,15 @@ from gradpool.pool import BucketPool
 from npref import exact_grid, np_pack, np_shards, raw_bytes, values
 
 ms.set_device("CPU")
+
+
+@pytest.fixture(params=["host-copies", "device-copies"], autouse=True)
+def copy_path(request, monkeypatch):
+    """Every test runs on the CPU NumPy path and on the device (Ascend-portable) path."""
+    monkeypatch.setattr(gcopy, "HOST_COPIES", request.param == "host-copies")
+    return request.param
+
+
 DTYPES = [ms.float32, ms.float16, ms.bfloat16]
 SHAPES = [[(7, 3), (16,)], [(5,)], [(9, 2, 3), (1, 4), (33,)], [(8, 4)]]
 
@@ -37,12 +46,24 @@ def test_pack_reads_back_as_numpy_pack(grad_dtype, bucket_dtype, shapes, world):
     rng = np.random.default_rng(world)
     arrays = [exact_grid(rng, s) for s in shapes]
     layout = ReduceScatterLayout.build(shapes, world, alignment=16)
-    pool = BucketPool(poison_on_release=True)
+    pool = BucketPool(poison_on_release=True, alignment_bytes=64)   # 16 x fp32: whole buckets
     pool.acquire(layout.total_numel, bucket_dtype).release()     # poisoned: padding must be zeroed
     lease = pool.acquire(layout.total_numel, bucket_dtype)
     gcopy.pack(lease, tensors(arrays, grad_dtype, transposed=True), layout)
     np.testing.assert_array_equal(values(lease.tensor), np_pack(arrays, layout))
     lease.release()
+
+
+@pytest.mark.parametrize("dtypes", [(ms.float32, ms.float32), (ms.float16, ms.float32),
+                                    (ms.float32, ms.float16)])
+def test_each_path_is_taken_when_selected(copy_path, dtypes, monkeypatch):
+    calls = []
+    monkeypatch.setattr(gcopy, "_host_write", lambda *a, **k: calls.append(a))
+    grad_dtype, bucket_dtype = dtypes
+    layout = ReduceScatterLayout.build([(256,)], 1)
+    lease = BucketPool(alignment_bytes=4).acquire(256, bucket_dtype)
+    gcopy.pack(lease, [ms.Tensor(np.ones(256, np.float32)).astype(grad_dtype)], layout)
+    assert len(calls) == (1 if copy_path == "host-copies" else 0)
 
 
 @pytest.mark.parametrize("bucket_dtype", DTYPES)
@@ -91,7 +112,8 @@ def test_shard_views_are_views_of_the_output():
         assert got.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(shapes=st.lists(st.tuples(st.integers(1, 13), st.integers(1, 4)), min_size=1, max_size=4),
        world=st.integers(1, 4), alignment=st.sampled_from([1, 16, 128]),
        dtype=st.sampled_from(DTYPES))

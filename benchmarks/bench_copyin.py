@@ -1,0 +1,32 @@
+"""Copy-in: pool pack against zero-copy borrow, upstream-style fresh allocation and NumPy memcpy.
+
+Ratios (pool / memcpy bandwidth, per-gradient cost in small-op units) are printed at the end of
+the run by ``benchmarks/conftest.py``; nothing here asserts a speed.
+"""
+import mindspore as ms
+import pytest
+
+from benchmarks.cases import SMALL_COUNT, copy_cases, make_copy, make_small_op
+
+ms.set_device("CPU")
+
+
+@pytest.mark.parametrize("case", copy_cases(), ids=lambda c: c.name)
+def test_copy_in(benchmark, case):
+    run = make_copy(case)
+    benchmark.group = f"copy {case.grad_dtype}->{case.bucket_dtype} " + \
+        (f"{case.count}x{case.nbytes // case.count}B" if case.count > 1 else f"{case.nbytes}B")
+    benchmark.extra_info.update(method=case.method, nbytes=case.nbytes, count=case.count,
+                                grad_dtype=case.grad_dtype, bucket_dtype=case.bucket_dtype)
+    benchmark(run)
+    pool = getattr(run, "pool", None)
+    if pool is not None:
+        stats = pool.stats()
+        benchmark.extra_info["new_allocations"] = stats.new_allocations
+        assert stats.live_leases == 0
+
+
+def test_small_op_reference(benchmark):
+    benchmark.group = "small op"
+    benchmark.extra_info.update(method="small_op", count=SMALL_COUNT)
+    benchmark(make_small_op())
