@@ -1,0 +1,159 @@
+"""Training the tiny DeepSeek-V3 model with ``fully_shard`` on the pool, and its unsharded reference.
+
+Used by ``gradpool train`` (one process per rank under msrun), by the end-to-end tests and by the
+reduce-step benchmark. The sharded and the reference run see the same global batch each
+micro-step: rank ``r`` trains on rows ``r*B .. (r+1)*B-1`` and the reference on all of them
+(see :func:`gradpool.app.model.make_batch_np`), so with ``reduce_op="avg"`` both take the same
+optimizer steps.
+
+The reference is an in-process single model. With ``micro_steps > 1`` it sums the micro-step
+gradients before its optimizer step, which is what the sharded run's accumulation computes.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
+
+import mindspore as ms
+import numpy as np
+from mindspore import mint, nn
+
+from gradpool.app.model import TinyDeepSeekV3, make_batch_np, next_token_loss
+from gradpool.config import RunConfig
+from gradpool.errors import GradPoolError
+from gradpool.pool import PoolStats
+
+logger = logging.getLogger(__name__)
+DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16, None: None}
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float           # mean over ranks (and micro-steps) of the local mean loss
+    seconds: float
+    bytes_copied: int     # during this step
+    copy_gbps: float
+    new_allocations: int  # during this step
+    high_water_bytes: int
+    stall_seconds: float
+
+
+class NonFiniteLossError(GradPoolError, ArithmeticError):
+    """A training loss was NaN or infinite."""
+
+
+def mixed_precision(cfg: RunConfig):
+    from hyper_parallel.core.fully_shard.api import MixedPrecisionPolicy
+    fs = cfg.fully_shard
+    return MixedPrecisionPolicy(param_dtype=DTYPES[fs.param_dtype],
+                                reduce_dtype=DTYPES[fs.reduce_dtype],
+                                apply_grad_on_fp32_main_grad=fs.apply_grad_on_fp32_main_grad)
+
+
+def build_sharded_model(cfg: RunConfig, replicate: Callable = None,
+                        shard_placement_fn: Optional[Callable] = None) -> TinyDeepSeekV3:
+    """The model with ``fully_shard`` applied to each decoder layer, then to the root.
+
+    ``replicate(model)`` may name parameters to keep whole (their gradients are all-reduced)."""
+    from hyper_parallel import fully_shard
+
+    model = TinyDeepSeekV3(cfg.model, seed=cfg.train.seed)
+    kwargs = dict(mp_policy=mixed_precision(cfg), comm_fusion=cfg.fully_shard.comm_fusion,
+                  reshard_after_forward=cfg.fully_shard.reshard_after_forward,
+                  pool_config=cfg.gradpool, shard_placement_fn=shard_placement_fn,
+                  replicate_params=set(replicate(model)) if replicate else None)
+    for layer in model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    model.set_reduce_op_type(cfg.fully_shard.reduce_op)
+    return model
+
+
+def _optimizer(cfg: RunConfig, params):
+    if cfg.train.optimizer == "adam":
+        return nn.Adam(params, learning_rate=cfg.train.learning_rate)
+    return nn.SGD(params, learning_rate=cfg.train.learning_rate)
+
+
+def _batch(cfg: RunConfig, step: int, micro: int, rank: int, world: int) -> ms.Tensor:
+    index = step * cfg.train.micro_steps + micro
+    return ms.Tensor(make_batch_np(cfg.model, index, rank, world, seed=cfg.train.seed))
+
+
+def train_sharded(cfg: RunConfig, model, comm, pool,
+                  on_step: Optional[Callable[[StepRecord], None]] = None) -> list[StepRecord]:
+    """Train ``model`` (already ``fully_shard``-ed) for ``cfg.train.steps`` steps."""
+    params = model.trainable_params()
+    grad_fn = ms.value_and_grad(lambda tokens: next_token_loss(model, tokens), None, params)
+    optimizer = _optimizer(cfg, params)
+    records = []
+    for step in range(cfg.train.steps):
+        before = pool.stats()
+        start = time.perf_counter()
+        model.zero_grad()
+        losses = []
+        for micro in range(cfg.train.micro_steps):
+            model.set_requires_gradient_sync(micro == cfg.train.micro_steps - 1)
+            loss, grads = grad_fn(_batch(cfg, step, micro, comm.rank, comm.world_size))
+            losses.append(loss)
+        optimizer(grads)
+        mean_loss = _mean_over_ranks(comm, float(np.mean([l.asnumpy() for l in losses])))
+        after = pool.stats()
+        record = _record(step, mean_loss, time.perf_counter() - start, before, after)
+        if not math.isfinite(record.loss):
+            raise NonFiniteLossError(f"step {step}: loss is {record.loss}")
+        records.append(record)
+        if on_step is not None:
+            on_step(record)
+    return records
+
+
+def _record(step: int, loss: float, seconds: float, before: PoolStats, after: PoolStats) -> StepRecord:
+    copied = after.bytes_copied - before.bytes_copied
+    copy_seconds = after.copy_seconds - before.copy_seconds
+    return StepRecord(step=step, loss=loss, seconds=seconds, bytes_copied=copied,
+                      copy_gbps=copied / copy_seconds / 1e9 if copy_seconds > 0 else 0.0,
+                      new_allocations=after.new_allocations - before.new_allocations,
+                      high_water_bytes=after.high_water_bytes,
+                      stall_seconds=after.stall_seconds - before.stall_seconds)
+
+
+def _mean_over_ranks(comm, value: float) -> float:
+    if comm.world_size == 1:
+        return value
+    buf = ms.Tensor(np.array([value], np.float32))
+    comm.all_reduce(buf, op="avg").wait()
+    return float(buf.asnumpy()[0])
+
+
+def train_reference(cfg: RunConfig, world: int) -> tuple[list[float], dict[str, np.ndarray]]:
+    """One unsharded model on the global batch: its losses and final parameters."""
+    ref_cfg = replace(cfg, model=replace(cfg.model, batch_size=cfg.model.batch_size * world))
+    model = TinyDeepSeekV3(cfg.model, seed=cfg.train.seed)
+    params = model.trainable_params()
+    grad_fn = ms.value_and_grad(lambda tokens: next_token_loss(model, tokens), None, params)
+    optimizer = _optimizer(cfg, params)
+    losses = []
+    for step in range(cfg.train.steps):
+        total, step_losses = None, []
+        for micro in range(cfg.train.micro_steps):
+            loss, grads = grad_fn(_batch(ref_cfg, step, micro, 0, 1))
+            step_losses.append(float(loss.asnumpy()))
+            total = grads if total is None else tuple(mint.add(a, b) for a, b in zip(total, grads))
+        optimizer(total)
+        losses.append(float(np.mean(step_losses)))
+    return losses, {p.name: p.asnumpy().copy() for p in params}
+
+
+def gathered_params(model) -> dict[str, np.ndarray]:
+    """Every parameter of a sharded model, all-gathered and trimmed to its full shape."""
+    out = {}
+    for param in model.trainable_params():
+        managed = getattr(param, "hsdp_param", None)
+        full = managed.unsharded(param) if managed is not None else param
+        out[param.name] = full.astype(ms.float32).asnumpy().copy()
+    return out

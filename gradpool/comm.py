@@ -1,0 +1,509 @@
+"""Collectives over flat bucket tensors, each returning a handle the pool can use as a fence.
+
+Three backends behind one :class:`Communicator` interface:
+
+* :class:`SingleProcessCommunicator`: world size 1, no communication (unit tests, one device);
+* :class:`CpuMcclCommunicator`: CPU ranks under ``msrun`` (MCCL), built from the only collectives
+  MindSpore 2.10 runs on CPU (``ops.AllReduce`` / ``ops.AllGather`` called under ``@ms.jit``);
+* :class:`AscendHcclCommunicator`: ``mindspore.mint.distributed`` over HCCL, with real async handles.
+
+:class:`FaultInjectingCommunicator` wraps any of them to delay completion or fail ``wait()``.
+
+Every tensor is a flat 1-D tensor of float32, float16 or bfloat16. Outputs may be pool lease
+tensors, i.e. a prefix view (``bucket[0:n]``) of a larger allocation: on the CPU backend
+``copy_`` into such a view raises ("InplaceCopy ... unexpected kernel", it sees the whole
+storage) or, into a view at a non-zero offset, silently does nothing, and ``add_``/``div_`` are
+out-of-place. So every result is computed out-of-place and written with slice-assignment through
+:func:`gradpool.pool.writable_view` (see :func:`write_into`).
+"""
+from __future__ import annotations
+
+import abc
+import collections
+import functools
+import logging
+import os
+import time
+from typing import Callable, Optional, Union
+
+import mindspore as ms
+from mindspore import mint, ops
+
+from gradpool.device import SUPPORTED_DEVICES, device_target, synchronize
+from gradpool.errors import CommError, InvalidArgumentError
+from gradpool.pool import check_dtype, writable_view
+
+logger = logging.getLogger(__name__)
+
+REDUCE_OPS = ("sum", "avg")
+
+# Roles msrun gives the processes it starts (MS_ROLE): the workers, and a scheduler process that
+# runs the same script and serves the cluster from inside ``communication.init()``.
+_MSRUN_ROLES = ("MS_WORKER", "MS_SCHED")
+
+
+# -- handles -----------------------------------------------------------------------------------
+class CommHandle(abc.ABC):
+    """A launched collective: ``wait()`` blocks until it is done (re-raising its failure);
+    ``is_completed()`` asks without blocking. Satisfies ``gradpool.pool.Fence``."""
+
+    @abc.abstractmethod
+    def wait(self) -> None: ...
+
+    @abc.abstractmethod
+    def is_completed(self) -> bool: ...
+
+
+class CompletedHandle(CommHandle):
+    """The handle of work that had finished (and was written) before the call returned."""
+
+    def wait(self) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "CompletedHandle()"
+
+
+class _WrappedHandle(CommHandle):
+    """A MindSpore ``CommHandle`` plus an optional step to run once it is done (``after``).
+
+    MindSpore 2.10's ``CommHandle`` has ``wait()`` only. Without a native ``is_completed`` the
+    handle reports not-completed until someone has waited on it: a fence that says "not yet" too
+    long costs the pool a new bucket, one that says "done" too early corrupts a gradient."""
+
+    def __init__(self, handle, what: str, after: Optional[Callable[[], None]] = None):
+        self._handle = handle
+        self._what = what
+        self._after = after
+        self._done = False
+        self._error: Optional[CommError] = None
+
+    def wait(self) -> None:
+        if not self._done:
+            try:
+                self._handle.wait()
+                if self._after is not None:
+                    self._after()
+            except Exception as exc:  # noqa: BLE001 - re-raised typed, on every wait()
+                self._error = CommError(f"{self._what} failed while waiting: {exc}")
+                self._error.__cause__ = exc
+            finally:
+                self._done = True
+        if self._error is not None:
+            raise self._error
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        native = getattr(self._handle, "is_completed", None)
+        if callable(native) and native():
+            try:
+                self.wait()     # already done: does not block, only runs ``after``
+            except CommError:
+                pass            # completed all the same; wait() raises it to the owner
+            return True
+        return False
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def write_into(output: ms.Tensor, result: ms.Tensor) -> None:
+    """Overwrite ``output`` with ``result`` (cast to ``output``'s dtype).
+
+    Slice-assignment is the one write that lands in a prefix view of a bucket on CPU (where
+    ``copy_`` into a view is silently dropped) and on Ascend alike; bfloat16 goes through the int16
+    view because slice-assignment into bfloat16 raises on CPU."""
+    if result.dtype != output.dtype:
+        result = result.astype(output.dtype)
+    writable_view(output)[:] = writable_view(result)
+
+
+def _check_op(op: str) -> None:
+    if op not in REDUCE_OPS:
+        raise InvalidArgumentError(
+            f"reduce op {op!r} is not supported; use one of {', '.join(map(repr, REDUCE_OPS))}")
+
+
+def _check_flat(name: str, what: str, tensor) -> None:
+    """A 1-D MindSpore tensor; its dtype is checked by the caller (see _check_input)."""
+    if not isinstance(tensor, ms.Tensor):
+        raise CommError(f"{name} {what} must be a mindspore Tensor, got {type(tensor).__name__}")
+    if tensor.ndim != 1:
+        raise CommError(f"{name} {what} must be a flat 1-D tensor, got shape {tuple(tensor.shape)};"
+                        " pass tensor.reshape(-1) or a pool lease tensor")
+
+
+def _check_input(name: str, what: str, tensor) -> None:
+    _check_flat(name, what, tensor)
+    check_dtype(tensor.dtype)
+
+
+def _check_output(name: str, output, input, expected_numel: int, how: str) -> None:
+    """``output`` flat, of ``input``'s dtype and of ``expected_numel`` elements."""
+    _check_flat(name, "output", output)
+    if output.dtype != input.dtype:
+        raise CommError(f"{name} output dtype {output.dtype} does not match input dtype "
+                        f"{input.dtype}; give the output the input's dtype")
+    if output.numel() != expected_numel:
+        raise CommError(f"{name} output has {output.numel()} elements, expected {expected_numel} "
+                        f"({how}); size the output accordingly")
+
+
+# -- the interface -----------------------------------------------------------------------------
+class Communicator(abc.ABC):
+    """Collectives over flat 1-D tensors of one group; every method returns a :class:`CommHandle`.
+
+    * ``reduce_scatter(output, input)``: ``input`` has ``W*n`` elements, ``output`` ``n``; rank r
+      gets elements ``[r*n, (r+1)*n)`` of the elementwise reduction over ranks.
+    * ``all_gather(output, input)``: ``output`` (``W*n``) is the concatenation of every rank's
+      ``input`` (``n``), in rank order.
+    * ``all_reduce(tensor)``: in place into ``tensor``.
+
+    ``op`` is ``"sum"`` or ``"avg"`` (sum divided by the world size). The arguments are checked
+    here, once, before any backend sees them.
+    """
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def world_size(self) -> int: ...
+
+    def reduce_scatter(self, output: ms.Tensor, input: ms.Tensor, op: str = "sum",
+                       async_op: bool = False) -> CommHandle:
+        _check_op(op)
+        _check_input("reduce_scatter", "input", input)
+        world = self.world_size
+        if input.numel() % world:
+            raise CommError(f"reduce_scatter input has {input.numel()} elements, not a multiple "
+                            f"of world size {world}; pad the bucket to a multiple of {world}")
+        _check_output("reduce_scatter", output, input, input.numel() // world,
+                      f"input {input.numel()} / world size {world}")
+        return self._reduce_scatter(output, input, op, async_op)
+
+    def all_gather(self, output: ms.Tensor, input: ms.Tensor,
+                   async_op: bool = False) -> CommHandle:
+        _check_input("all_gather", "input", input)
+        world = self.world_size
+        _check_output("all_gather", output, input, input.numel() * world,
+                      f"world size {world} x input {input.numel()}")
+        return self._all_gather(output, input, async_op)
+
+    def all_reduce(self, tensor: ms.Tensor, op: str = "sum", async_op: bool = False) -> CommHandle:
+        _check_op(op)
+        _check_input("all_reduce", "tensor", tensor)
+        return self._all_reduce(tensor, op, async_op)
+
+    @abc.abstractmethod
+    def _reduce_scatter(self, output, input, op: str, async_op: bool) -> CommHandle: ...
+
+    @abc.abstractmethod
+    def _all_gather(self, output, input, async_op: bool) -> CommHandle: ...
+
+    @abc.abstractmethod
+    def _all_reduce(self, tensor, op: str, async_op: bool) -> CommHandle: ...
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
+
+
+# -- world size 1 ------------------------------------------------------------------------------
+class SingleProcessCommunicator(Communicator):
+    """World size 1: every collective is the identity (an average over one rank included)."""
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    def _reduce_scatter(self, output, input, op, async_op) -> CommHandle:
+        return self._copy(output, input)
+
+    def _all_gather(self, output, input, async_op) -> CommHandle:
+        return self._copy(output, input)
+
+    def _all_reduce(self, tensor, op, async_op) -> CommHandle:
+        return CompletedHandle()
+
+    @staticmethod
+    def _copy(output, input) -> CommHandle:
+        if output is not input:
+            write_into(output, input)
+            synchronize()
+        return CompletedHandle()
+
+
+# -- CPU: MCCL under msrun ---------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _jitted(kind: str, group: str):
+    """A compiled sum-AllReduce or AllGather over ``group``, shared by every communicator.
+
+    On CPU these primitives only run inside a graph (PyNative ``mint.distributed`` kernels are
+    unregistered there), hence ``@ms.jit``; ``ReduceScatter`` has no CPU kernel even in a graph.
+    Two separate functions: MindSpore warns when one jitted source function is compiled twice."""
+    if kind == "all_reduce":
+        all_reduce = ops.AllReduce(op=ops.ReduceOp.SUM, group=group)
+
+        @ms.jit
+        def run_all_reduce(x):
+            return all_reduce(x)
+        return run_all_reduce
+
+    all_gather = ops.AllGather(group=group)
+
+    @ms.jit
+    def run_all_gather(x):
+        return all_gather(x)
+    return run_all_gather
+
+
+class CpuMcclCommunicator(Communicator):
+    """CPU ranks started by ``msrun`` (MCCL backend).
+
+    MindSpore 2.10 has no CPU reduce-scatter kernel, so ``reduce_scatter`` is an **all-reduce of
+    the whole input followed by keeping this rank's chunk**: it moves W times the bytes of a real
+    reduce-scatter (fine for tests and CPU runs, not a performance model). The CPU collectives
+    reject bfloat16, so **bfloat16 travels as float32 on the wire** (exact for the values, sums are
+    accumulated in float32) and is cast back when written. ``"avg"`` is the sum divided by the
+    world size, computed out-of-place and then written. Collectives run synchronously: the handle
+    is complete when returned (the device is synchronized so the write really happened).
+    """
+
+    _WIRE_DTYPE = {ms.bfloat16: ms.float32}
+
+    def __init__(self, group: Optional[str] = None):
+        from mindspore.communication import GlobalComm, get_group_size, get_rank
+        self.group = group or GlobalComm.WORLD_COMM_GROUP
+        self._rank = get_rank(self.group)
+        self._world = get_group_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    def _reduce_scatter(self, output, input, op, async_op) -> CommHandle:
+        n = output.numel()
+        total = self._run("reduce_scatter", "all_reduce", input)
+        mine = total[self._rank * n:(self._rank + 1) * n]
+        return self._finish(output, self._average(mine) if op == "avg" else mine)
+
+    def _all_gather(self, output, input, async_op) -> CommHandle:
+        return self._finish(output, self._run("all_gather", "all_gather", input))
+
+    def _all_reduce(self, tensor, op, async_op) -> CommHandle:
+        total = self._run("all_reduce", "all_reduce", tensor)
+        return self._finish(tensor, self._average(total) if op == "avg" else total)
+
+    def _run(self, name: str, kind: str, tensor: ms.Tensor) -> ms.Tensor:
+        wire = self._WIRE_DTYPE.get(tensor.dtype)
+        try:
+            return _jitted(kind, self.group)(tensor.astype(wire) if wire else tensor)
+        except Exception as exc:  # noqa: BLE001 - MindSpore raises RuntimeError/TypeError/...
+            raise CommError(f"{name} of {tensor.numel()} x {tensor.dtype} over group "
+                            f"{self.group!r} failed on rank {self._rank}: {exc}") from exc
+
+    def _average(self, total: ms.Tensor) -> ms.Tensor:
+        return mint.div(total, self._world)
+
+    @staticmethod
+    def _finish(output: ms.Tensor, result: ms.Tensor) -> CommHandle:
+        write_into(output, result)
+        synchronize()
+        return CompletedHandle()
+
+    def __repr__(self) -> str:
+        return (f"CpuMcclCommunicator(rank={self._rank}, world_size={self._world}, "
+                f"group={self.group!r})")
+
+
+# -- Ascend: HCCL through mint.distributed ----------------------------------------------------
+class AscendHcclCommunicator(Communicator):
+    """Ascend ranks, through ``mindspore.mint.distributed`` (HCCL).
+
+    ``async_op=True`` returns a handle wrapping MindSpore's ``CommHandle`` (``wait()`` only; see
+    :class:`_WrappedHandle` for ``is_completed``); ``async_op=False`` is ordered on the device
+    streams, so it returns a completed handle. MindSpore 2.10 documents ``"avg"`` for these calls;
+    set ``native_avg = False`` for a stack without it, and "avg" becomes a sum divided by the world
+    size after the wait. Cannot run on the CPU-only test machines; its checks and handle logic are
+    shared with the CPU backends and tested there.
+    """
+
+    native_avg = True
+
+    def __init__(self, group: Optional[str] = None, backend=None):
+        """``backend``: ``mindspore.mint.distributed`` (None), or a stand-in with its functions
+        for tests of this class's own logic on machines without an NPU."""
+        if backend is None:
+            if device_target() != "Ascend":
+                raise CommError(f"AscendHcclCommunicator needs device target 'Ascend', the "
+                                f"process runs on {device_target()!r}; use communicator_for()")
+            from mindspore.mint import distributed as backend
+        self._dist = backend
+        self.group = group          # None: hccl_world_group
+        self._rank = backend.get_rank(group)
+        self._world = backend.get_world_size(group)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    def _reduce_scatter(self, output, input, op, async_op) -> CommHandle:
+        wire_op = self._wire_op(op)
+        handle = self._dist.reduce_scatter_tensor(output, input, op=wire_op, group=self.group,
+                                                  async_op=async_op)
+        return self._handle("reduce_scatter", handle, output, op != wire_op)
+
+    def _all_gather(self, output, input, async_op) -> CommHandle:
+        handle = self._dist.all_gather_into_tensor(output, input, group=self.group,
+                                                   async_op=async_op)
+        return self._handle("all_gather", handle, output, False)
+
+    def _all_reduce(self, tensor, op, async_op) -> CommHandle:
+        wire_op = self._wire_op(op)
+        handle = self._dist.all_reduce(tensor, op=wire_op, group=self.group, async_op=async_op)
+        return self._handle("all_reduce", handle, tensor, op != wire_op)
+
+    def _wire_op(self, op: str) -> str:
+        return "sum" if op == "avg" and not self.native_avg else op
+
+    def _handle(self, name: str, handle, output, divide: bool) -> CommHandle:
+        after = (lambda: write_into(output, mint.div(output, self._world))) if divide else None
+        if handle is None:          # async_op=False: already ordered on the stream
+            if after is not None:
+                after()
+            return CompletedHandle()
+        return _WrappedHandle(handle, f"{name} on rank {self._rank}", after)
+
+
+# -- fault injection (tests) -------------------------------------------------------------------
+class _DelayedHandle(CommHandle):
+    """Completes ``delay`` seconds after launch (the data is already written), then maybe fails."""
+
+    def __init__(self, inner: CommHandle, ready_at: float, error: Optional[BaseException]):
+        self._inner = inner
+        self._ready_at = ready_at
+        self._error = error
+        self._waited = False
+
+    def wait(self) -> None:
+        remaining = self._ready_at - time.monotonic()
+        if remaining > 0:
+            time.sleep(remaining)
+        try:
+            self._inner.wait()
+        finally:
+            self._waited = True
+        if self._error is not None:
+            raise self._error
+
+    def is_completed(self) -> bool:
+        return self._waited or (time.monotonic() >= self._ready_at and self._inner.is_completed())
+
+
+class FaultInjectingCommunicator(Communicator):
+    """Wraps a communicator for tests: the collective's result is written as usual, but its handle
+    reports not-completed until ``delay_seconds`` after launch (``wait()`` blocks until then), and
+    with ``fail_wait`` (an exception instance, or True for a :class:`CommError`) ``wait()`` raises
+    it, after which the handle counts as completed. ``launches`` counts every collective launched,
+    ``launch_counts`` per collective name."""
+
+    def __init__(self, inner: Communicator, delay_seconds: float = 0.0,
+                 fail_wait: Union[BaseException, bool, None] = None):
+        if not isinstance(delay_seconds, (int, float)) or delay_seconds < 0:
+            raise InvalidArgumentError(
+                f"delay_seconds must be a number >= 0, got {delay_seconds!r}")
+        if not (fail_wait is None or isinstance(fail_wait, (bool, BaseException))):
+            raise InvalidArgumentError(
+                f"fail_wait must be an exception instance, True or None, got {fail_wait!r}")
+        self.inner = inner
+        self.delay_seconds = float(delay_seconds)
+        self.fail_wait = fail_wait
+        self.launch_counts: collections.Counter = collections.Counter()
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.inner.world_size
+
+    @property
+    def launches(self) -> int:
+        return sum(self.launch_counts.values())
+
+    def _reduce_scatter(self, output, input, op, async_op) -> CommHandle:
+        return self._launch("reduce_scatter", self.inner.reduce_scatter, output, input, op,
+                            async_op)
+
+    def _all_gather(self, output, input, async_op) -> CommHandle:
+        return self._launch("all_gather", self.inner.all_gather, output, input, async_op)
+
+    def _all_reduce(self, tensor, op, async_op) -> CommHandle:
+        return self._launch("all_reduce", self.inner.all_reduce, tensor, op, async_op)
+
+    def _launch(self, name: str, collective: Callable[..., CommHandle], *args) -> CommHandle:
+        self.launch_counts[name] += 1      # counted before launch: a launch that raises counts
+        inner = collective(*args)
+        return _DelayedHandle(inner, time.monotonic() + self.delay_seconds,
+                              self._error_for(name))
+
+    def _error_for(self, name: str) -> Optional[BaseException]:
+        if self.fail_wait is True:
+            return CommError(f"injected failure of {name} launch #{self.launch_counts[name]} "
+                             "(FaultInjectingCommunicator(fail_wait=True))")
+        return self.fail_wait if isinstance(self.fail_wait, BaseException) else None
+
+
+# -- choosing a backend ------------------------------------------------------------------------
+def launched_by_msrun() -> bool:
+    """True in the processes msrun starts (it exports MS_ROLE, MS_WORKER_NUM, MS_SCHED_HOST, ...)."""
+    return os.environ.get("MS_ROLE") in _MSRUN_ROLES
+
+
+def init_distributed() -> tuple[int, int]:
+    """Initialize MindSpore communication once if msrun started this process; ``(rank, world)``.
+
+    Idempotent; also returns the group of a process whose communication the caller initialized
+    already. Outside msrun it returns ``(0, 1)`` and initializes nothing. In msrun's scheduler
+    process (``MS_ROLE=MS_SCHED``, which runs the same script) ``init()`` serves the cluster and
+    exits the process when the workers are done: it never returns there."""
+    from mindspore.communication import GlobalComm, get_group_size, get_rank, init
+    if not GlobalComm.INITED:
+        if not launched_by_msrun():
+            return 0, 1
+        logger.info("initializing MindSpore communication (MS_ROLE=%s, MS_WORKER_NUM=%s)",
+                    os.environ.get("MS_ROLE"), os.environ.get("MS_WORKER_NUM"))
+        init()
+    group = GlobalComm.WORLD_COMM_GROUP
+    return get_rank(group), get_group_size(group)
+
+
+def communicator_for(device: Optional[str] = None, group: Optional[str] = None) -> Communicator:
+    """The communicator for this process: single-process unless launched with more than one rank,
+    else MCCL on CPU or HCCL on Ascend (``device`` defaults to the context's device target)."""
+    device = device or device_target()
+    if device not in SUPPORTED_DEVICES:
+        raise InvalidArgumentError(
+            f"device {device!r} is not supported; use one of {', '.join(SUPPORTED_DEVICES)}")
+    _, world = init_distributed()
+    if world == 1:
+        return SingleProcessCommunicator()
+    if device == "CPU":
+        return CpuMcclCommunicator(group)
+    return AscendHcclCommunicator(group)

@@ -1,0 +1,520 @@
+"""One YAML file drives a run: a strict loader into frozen dataclasses.
+
+Usage::
+
+    cfg = load_config("configs/deepseek3_tiny.yaml", overrides=["fully_shard.comm_fusion=true"])
+    cfg.gradpool.bucket_cap_bytes, cfg.model.vocab_size
+    print(dump_yaml(cfg))            # loads back to an equal RunConfig
+
+Strict on purpose: a misspelt key that were silently ignored would run the default instead of
+the experiment the file describes. So an unknown key raises :class:`UnknownConfigKeyError` with
+its full dotted path, the file (or override) it came from and the closest known key; a bad value
+raises :class:`ConfigValueError` naming the key, the value given and what is allowed.
+
+Types follow YAML, not Python's truthiness: in a file ``comm_fusion: "true"`` is a string and an
+error. Overrides come from a shell, where quoting is easy to get wrong, so there (and only there)
+the strings ``true``/``false``/``yes``/``no``/``on``/``off`` are accepted for bool keys.
+
+Pure Python + PyYAML: no MindSpore import, so configs load (and are tested) in milliseconds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Iterable, Mapping, Optional, Tuple
+
+import yaml
+
+from .errors import ConfigError, ConfigValueError, OverrideSyntaxError, UnknownConfigKeyError
+
+MIB = 1024 * 1024
+DTYPE_CHOICES = ("float32", "float16", "bfloat16")
+
+
+# --------------------------------------------------------------------------------------------
+# Value rules: each one normalises an accepted value or raises _Reject; the caller adds the
+# key path and the source, so every rule's error names key, given value and allowed values.
+# --------------------------------------------------------------------------------------------
+class _Reject(Exception):
+    """Internal: a rule refused a value; ``why`` optionally sharpens the message."""
+
+    def __init__(self, why: str = ""):
+        super().__init__(why)
+        self.why = why
+
+
+_TRUE_WORDS = {"true", "yes", "on"}
+_FALSE_WORDS = {"false", "no", "off"}
+
+
+@dataclass(frozen=True)
+class Bool:
+    def describe(self) -> str:
+        return "a bool (true or false)"
+
+    def coerce(self, value: Any, lenient: bool) -> bool:
+        if isinstance(value, bool):
+            return value
+        if lenient and isinstance(value, str):
+            word = value.strip().lower()
+            if word in _TRUE_WORDS:
+                return True
+            if word in _FALSE_WORDS:
+                return False
+        raise _Reject()
+
+
+@dataclass(frozen=True)
+class Choice:
+    options: Tuple[str, ...]
+    nullable: bool = False
+
+    def describe(self) -> str:
+        text = "one of " + ", ".join(repr(o) for o in self.options)
+        return text + " or null" if self.nullable else text
+
+    def coerce(self, value: Any, lenient: bool) -> Optional[str]:
+        if value is None and self.nullable:
+            return None
+        if isinstance(value, str):
+            # Case-insensitive so "cpu" or "AVG" work; stored in the canonical spelling.
+            for option in self.options:
+                if value.lower() == option.lower():
+                    return option
+            close = difflib.get_close_matches(value, self.options, n=1)
+            raise _Reject(f"did you mean {close[0]!r}?" if close else "")
+        raise _Reject()
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass in Python; `steps: true` is a mistake, not 1.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Int:
+    minimum: Optional[int] = None
+    maximum: Optional[int] = None
+    multiple_of: Optional[int] = None
+    nullable: bool = False
+
+    def describe(self) -> str:
+        parts = ["an integer"]
+        if self.minimum is not None:
+            parts.append(f">= {self.minimum}")
+        if self.maximum is not None:
+            parts.append(f"<= {self.maximum}")
+        if self.multiple_of is not None:
+            parts.append(f"and a multiple of {self.multiple_of}")
+        text = " ".join(parts)
+        return text + " or null" if self.nullable else text
+
+    def coerce(self, value: Any, lenient: bool) -> Optional[int]:
+        if value is None and self.nullable:
+            return None
+        if not _is_int(value):
+            raise _Reject()
+        if self.minimum is not None and value < self.minimum:
+            raise _Reject()
+        if self.maximum is not None and value > self.maximum:
+            raise _Reject()
+        if self.multiple_of is not None and value % self.multiple_of:
+            raise _Reject()
+        return value
+
+
+@dataclass(frozen=True)
+class PositiveNumber:
+    nullable: bool = False
+
+    def describe(self) -> str:
+        text = "a finite number > 0"
+        return text + " or null" if self.nullable else text
+
+    def coerce(self, value: Any, lenient: bool) -> Optional[float]:
+        if value is None and self.nullable:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _Reject()
+        if not math.isfinite(value) or value <= 0:
+            raise _Reject()
+        return float(value)
+
+
+@dataclass(frozen=True)
+class Text:
+    nullable: bool = False
+
+    def describe(self) -> str:
+        text = "a non-empty string"
+        return text + " or null" if self.nullable else text
+
+    def coerce(self, value: Any, lenient: bool) -> Optional[str]:
+        if value is None and self.nullable:
+            return None
+        if isinstance(value, str) and value:
+            return value
+        raise _Reject()
+
+
+def _key(default: Any, rule: Any, doc: str):
+    """A config key: its default, the rule its values obey, and one line for humans."""
+    return field(default=default, metadata={"rule": rule, "doc": doc})
+
+
+def _value_error(key: str, value: Any, rule: Any, source: str, why: str = "") -> ConfigValueError:
+    shown = f"{value!r} ({type(value).__name__})"
+    message = f"{source}: {key} = {shown} is not allowed; expected {rule.describe()}"
+    if why:
+        message += f" ({why})"
+    return ConfigValueError(message, key=key, given=value, allowed=rule.describe())
+
+
+class _Section:
+    """Base of the section dataclasses: checks every field when constructed directly.
+
+    The loader has already checked values (with file/override context); this re-check is what
+    keeps ``ModelConfig(vocab_size=-1)`` built in code from slipping through.
+    """
+
+    SECTION = ""
+
+    def __post_init__(self) -> None:
+        source = f"{type(self).__name__}(...)"
+        for f in dataclasses.fields(self):
+            rule = f.metadata["rule"]
+            value = getattr(self, f.name)
+            try:
+                normalised = rule.coerce(value, lenient=False)
+            except _Reject as reject:
+                raise _value_error(f"{self.SECTION}.{f.name}", value, rule, source,
+                                   reject.why) from None
+            object.__setattr__(self, f.name, normalised)
+        self._check_together(source)
+
+    def _check_together(self, source: str) -> None:
+        """Checks that span several keys of the section; overridden where there are some."""
+
+
+# --------------------------------------------------------------------------------------------
+# The sections.
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FullyShardConfig(_Section):
+    SECTION = "fully_shard"
+    comm_fusion: bool = _key(False, Bool(), "reduce-scatter many gradients in one fused bucket")
+    reshard_after_forward: bool = _key(True, Bool(), "free unsharded parameters after forward")
+    param_dtype: Optional[str] = _key(None, Choice(DTYPE_CHOICES, nullable=True),
+                                      "compute dtype of parameters; null keeps their own")
+    reduce_dtype: Optional[str] = _key("float32", Choice(DTYPE_CHOICES, nullable=True),
+                                       "dtype gradients are reduced in; null keeps theirs")
+    apply_grad_on_fp32_main_grad: bool = _key(True, Bool(),
+                                              "accumulate into an fp32 main_grad")
+    reduce_op: str = _key("avg", Choice(("avg", "sum")), "how gradients are combined")
+
+
+@dataclass(frozen=True)
+class GradPoolConfig(_Section):
+    SECTION = "gradpool"
+    bucket_cap_mib: float = _key(25.0, PositiveNumber(), "largest fused bucket, MiB")
+    buckets_in_flight: Optional[int] = _key(2, Int(minimum=1, nullable=True),
+                                            "buckets per dtype before acquire waits")
+    alignment_bytes: int = _key(512, Int(minimum=4, multiple_of=4),
+                                "each gradient chunk starts on this byte boundary")
+    zero_copy: bool = _key(False, Bool(), "reduce in place when the layout allows it")
+    poison_on_release: bool = _key(False, Bool(), "fill released buckets with NaN (debug)")
+    max_cached_mib: Optional[float] = _key(None, PositiveNumber(nullable=True),
+                                           "cap on memory the pool holds, MiB")
+    verify_gradients: bool = _key(False, Bool(),
+                                  "checksum each gradient on arrival and after its reduce (debug)")
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        # ceil: any positive MiB must give at least one byte, never a zero-size cap.
+        return math.ceil(self.bucket_cap_mib * MIB)
+
+    @property
+    def max_cached_bytes(self) -> Optional[int]:
+        return None if self.max_cached_mib is None else math.ceil(self.max_cached_mib * MIB)
+
+    def pool_kwargs(self) -> dict:
+        """Keyword arguments of ``gradpool.pool.BucketPool`` (all but ``device``)."""
+        return {
+            "alignment_bytes": self.alignment_bytes,
+            "max_cached_bytes": self.max_cached_bytes,
+            "poison_on_release": self.poison_on_release,
+            "max_buckets_in_flight": self.buckets_in_flight,
+        }
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Section):
+    SECTION = "model"
+    vocab_size: int = _key(67, Int(minimum=2), "token vocabulary (odd on purpose: uneven shards)")
+    hidden_size: int = _key(32, Int(minimum=1), "model width")
+    num_layers: int = _key(2, Int(minimum=1), "decoder layers")
+    num_heads: int = _key(4, Int(minimum=1), "attention heads; must divide hidden_size")
+    num_experts: int = _key(4, Int(minimum=1), "routed experts per MoE layer")
+    experts_per_token: int = _key(2, Int(minimum=1), "top-k experts each token uses")
+    expert_hidden: int = _key(24, Int(minimum=1), "inner width of each expert's MLP")
+    seq_len: int = _key(8, Int(minimum=1), "tokens each sequence predicts from")
+    batch_size: int = _key(4, Int(minimum=1), "sequences per rank per micro-step")
+
+    def _check_together(self, source: str) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ConfigValueError(
+                f"{source}: model.hidden_size = {self.hidden_size} is not divisible by "
+                f"model.num_heads = {self.num_heads}; choose sizes with hidden_size % "
+                "num_heads == 0", key="model.hidden_size", given=self.hidden_size,
+                allowed=f"a multiple of num_heads ({self.num_heads})")
+        if self.experts_per_token > self.num_experts:
+            raise ConfigValueError(
+                f"{source}: model.experts_per_token = {self.experts_per_token} exceeds "
+                f"model.num_experts = {self.num_experts}; top-k needs k <= num_experts",
+                key="model.experts_per_token", given=self.experts_per_token,
+                allowed=f"an integer in [1, {self.num_experts}]")
+
+
+@dataclass(frozen=True)
+class TrainConfig(_Section):
+    SECTION = "train"
+    steps: int = _key(5, Int(minimum=1), "optimizer steps")
+    micro_steps: int = _key(1, Int(minimum=1), "gradient-accumulation micro-steps per step")
+    learning_rate: float = _key(1e-3, PositiveNumber(), "optimizer learning rate")
+    seed: int = _key(1234, Int(minimum=0), "seeds parameter init and token batches")
+    optimizer: str = _key("adam", Choice(("adam", "sgd")), "optimizer")
+
+
+@dataclass(frozen=True)
+class LaunchConfig(_Section):
+    SECTION = "launch"
+    ranks: int = _key(2, Int(minimum=1), "processes (one device each)")
+    device: str = _key("CPU", Choice(("CPU", "Ascend")), "device target")
+    master_port: Optional[int] = _key(None, Int(minimum=1, maximum=65535, nullable=True),
+                                      "msrun master port; null picks a free one")
+    log_dir: Optional[str] = _key(None, Text(nullable=True),
+                                  "msrun log directory; null uses a temporary one")
+
+
+_SECTIONS = {cls.SECTION: cls for cls in
+             (FullyShardConfig, GradPoolConfig, ModelConfig, TrainConfig, LaunchConfig)}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole run: one attribute per YAML section."""
+
+    fully_shard: FullyShardConfig = field(default_factory=FullyShardConfig)
+    gradpool: GradPoolConfig = field(default_factory=GradPoolConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def __post_init__(self) -> None:
+        for name, cls in _SECTIONS.items():
+            value = getattr(self, name)
+            if not isinstance(value, cls):
+                raise ConfigValueError(
+                    f"RunConfig.{name} must be a {cls.__name__}, got {value!r}; build it with "
+                    f"{cls.__name__}(...) or load a file with load_config",
+                    key=name, given=value, allowed=cls.__name__)
+
+    def to_dict(self) -> dict:
+        """Plain nested dict of builtins; ``from_dict(cfg.to_dict()) == cfg``."""
+        return {name: dataclasses.asdict(getattr(self, name)) for name in _SECTIONS}
+
+
+def known_keys() -> dict:
+    """``{section: (key, ...)}`` of every key the loader accepts."""
+    return {name: tuple(f.name for f in dataclasses.fields(cls)) for name, cls in _SECTIONS.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# YAML reading.
+# --------------------------------------------------------------------------------------------
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader with two fixes that matter for a config file.
+
+    * PyYAML follows YAML 1.1, where ``1e-3`` (no dot) is a *string*; a learning rate written
+      that way would be rejected as "not a number". Floats with an exponent are floats here.
+    * A duplicated key silently keeps the last value in PyYAML; here it is an error.
+    """
+
+
+# Copy before adding: the resolver table is a class attribute shared with SafeLoader.
+_StrictLoader.yaml_implicit_resolvers = {
+    k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
+def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if not isinstance(key, Hashable):
+            break  # construct_mapping below reports the unhashable key
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping", node.start_mark,
+                f"found duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+                              _construct_unique_mapping)
+
+
+def _parse_yaml(text: str, source: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_StrictLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Overrides.
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Override:
+    """One ``section.key=value`` override; ``text`` is kept to name it in errors."""
+
+    section: str
+    key: str
+    value: Any
+    text: str
+
+    @property
+    def path(self) -> str:
+        return f"{self.section}.{self.key}"
+
+
+def parse_override(text: str) -> Override:
+    """Parse ``section.key=value``; the value is read as a YAML scalar (``true``, ``3``, ``null``).
+
+    The key path is checked here, so a typo fails before anything is loaded.
+    """
+    source = f"override {text!r}"
+    if not isinstance(text, str) or "=" not in text:
+        raise OverrideSyntaxError(
+            f"{source}: expected the form section.key=value, e.g. fully_shard.comm_fusion=true")
+    path, _, raw_value = text.partition("=")
+    parts = path.strip().split(".")
+    if len(parts) != 2 or not all(p.strip() for p in parts):
+        raise OverrideSyntaxError(
+            f"{source}: key {path.strip()!r} must be section.key (two names joined by one dot), "
+            f"with section one of {', '.join(_SECTIONS)}")
+    section, key = (p.strip() for p in parts)
+    _check_known(section, key, source)
+    value = _parse_yaml(raw_value.strip(), source) if raw_value.strip() else None
+    if isinstance(value, (dict, list)):
+        raise OverrideSyntaxError(
+            f"{source}: value {raw_value.strip()!r} is a {type(value).__name__}; overrides take "
+            "one scalar (a bool, number, string or null)")
+    return Override(section, key, value, text)
+
+
+def _closest(word: str, options: Iterable[str]) -> Optional[str]:
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _check_known(section: str, key: Optional[str], source: str) -> None:
+    """Raise UnknownConfigKeyError for an unknown section, or unknown key of a known section."""
+    if section not in _SECTIONS:
+        guess = _closest(section, _SECTIONS)
+        hint = f"; did you mean {guess!r}?" if guess else "."
+        raise UnknownConfigKeyError(
+            f"{source}: unknown section {section!r}{hint} Known sections: {', '.join(_SECTIONS)}")
+    keys = known_keys()[section]
+    if key is not None and key not in keys:
+        guess = _closest(key, keys)
+        hint = f"; did you mean '{section}.{guess}'?" if guess else "."
+        raise UnknownConfigKeyError(
+            f"{source}: unknown key '{section}.{key}'{hint} "
+            f"Known keys in {section!r}: {', '.join(keys)}")
+
+
+# --------------------------------------------------------------------------------------------
+# Loading.
+# --------------------------------------------------------------------------------------------
+def from_dict(data: Optional[Mapping], overrides: Iterable[str | Override] = (),
+              source: str = "config dict") -> RunConfig:
+    """Build a :class:`RunConfig` from a ``{section: {key: value}}`` mapping plus overrides.
+
+    Missing sections and keys take their defaults; ``source`` names where ``data`` came from in
+    error messages.
+    """
+    if data is None:  # an empty YAML file
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections, "
+                          f"got {type(data).__name__}")
+    parsed = [o if isinstance(o, Override) else parse_override(o) for o in overrides]
+
+    # (section, key) -> (value, where it came from, lenient); later overrides win.
+    values: dict = {}
+    for section, body in data.items():
+        _check_known(str(section), None, source)
+        if body is None:
+            continue
+        if not isinstance(body, Mapping):
+            raise ConfigError(f"{source}: section {section!r} must be a mapping of keys, "
+                              f"got {body!r} ({type(body).__name__})")
+        for key, value in body.items():
+            _check_known(section, str(key), source)
+            values[(section, key)] = (value, source, False)
+    for o in parsed:
+        values[(o.section, o.key)] = (o.value, f"override {o.text!r}", True)
+
+    sections = {}
+    for name, cls in _SECTIONS.items():
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if (name, f.name) not in values:
+                continue
+            value, where, lenient = values[(name, f.name)]
+            rule = f.metadata["rule"]
+            try:
+                kwargs[f.name] = rule.coerce(value, lenient)
+            except _Reject as reject:
+                raise _value_error(f"{name}.{f.name}", value, rule, where, reject.why) from None
+        sections[name] = _build_section(cls, kwargs, source, parsed)
+    return RunConfig(**sections)
+
+
+def _build_section(cls, kwargs: dict, source: str, overrides: list) -> _Section:
+    # Values are already checked; what can still fail are checks spanning several keys, which
+    # may mix file and override values, so the message names both origins.
+    try:
+        return cls(**kwargs)
+    except ConfigValueError as exc:
+        origin = source
+        if overrides:
+            origin += " with overrides " + ", ".join(repr(o.text) for o in overrides)
+        message = str(exc).replace(f"{cls.__name__}(...)", origin, 1)
+        raise ConfigValueError(message, key=exc.key, given=exc.given,
+                               allowed=exc.allowed) from None
+
+
+def load_config(path: str | os.PathLike, overrides: Iterable[str | Override] = ()) -> RunConfig:
+    """Read a run's YAML file and apply ``section.key=value`` overrides (later ones win)."""
+    source = f"config file {os.fspath(path)!r}"
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot be read ({exc.strerror})") from None
+    return from_dict(_parse_yaml(text, source), overrides, source)
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    """The config as YAML text that :func:`load_config` reads back to an equal config."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)

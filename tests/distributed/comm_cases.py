@@ -1,0 +1,225 @@
+"""Communicator cases, run on every rank of one msrun launch (tests/test_comm_distributed.py).
+
+Usage: ``python -m gradpool.launch --nproc 2 tests/distributed/comm_cases.py OUT_DIR [CASE ...]``.
+
+Every rank builds every rank's input from a seed, so each rank computes the NumPy reference of
+the whole collective itself. Inputs are multiples of 0.25 in [-8, 8): sums and halves over a few
+ranks are exact in float16 and bfloat16, so the references are exact too.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+import mindspore as ms
+from mindspore import mint
+
+from gradpool.comm import (CompletedHandle, CpuMcclCommunicator, FaultInjectingCommunicator,
+                           communicator_for)
+from gradpool.errors import CommError
+from gradpool.pool import BucketPool, writable_view
+from harness import Context, Suite, allclose, equal, raises
+
+suite = Suite("comm")
+
+DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
+N = 37          # per-rank elements: odd, so nothing lines up with an alignment by accident
+SENTINEL = -3.5
+
+
+def rank_values(rank: int, numel: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(1000 * seed + rank)
+    return rng.integers(-32, 32, size=numel).astype(np.float64) * 0.25
+
+
+def tensor(values: np.ndarray, dtype) -> ms.Tensor:
+    return ms.Tensor(values.astype(np.float32)).astype(dtype)
+
+
+def reduced(ctx: Context, numel: int, op: str, seed: int = 0) -> np.ndarray:
+    total = sum(rank_values(r, numel, seed) for r in range(ctx.world_size))
+    return total / ctx.world_size if op == "avg" else total
+
+
+def prefix_view(numel: int, extra: int, dtype) -> tuple[ms.Tensor, ms.Tensor]:
+    """(the whole buffer filled with SENTINEL, its view [0:numel])."""
+    whole = tensor(np.full(numel + extra, SENTINEL), dtype)
+    return whole, whole[0:numel]
+
+
+def untouched(whole: ms.Tensor, start: int, dtype) -> dict:
+    tail = whole[start:]
+    return allclose(tail, np.full(tail.shape[0], SENTINEL), dtype)
+
+
+# -- reduce_scatter / all_gather / all_reduce, per op and dtype --------------------------------
+def _reduce_scatter(op: str, dtype_name: str):
+    def case(ctx: Context) -> dict:
+        dtype, world = DTYPES[dtype_name], ctx.world_size
+        inp = tensor(rank_values(ctx.rank, world * N), dtype)
+        out = mint.zeros(N, dtype=dtype)
+        handle = ctx.comm.reduce_scatter(out, inp, op=op)
+        expected = reduced(ctx, world * N, op)[ctx.rank * N:(ctx.rank + 1) * N]
+        return {"shard": allclose(out, expected, dtype),
+                "completed": equal(handle.is_completed(), True),
+                "input_unchanged": allclose(inp, rank_values(ctx.rank, world * N), dtype)}
+    return case
+
+
+def _all_gather(dtype_name: str):
+    def case(ctx: Context) -> dict:
+        dtype, world = DTYPES[dtype_name], ctx.world_size
+        out = mint.zeros(world * N, dtype=dtype)
+        ctx.comm.all_gather(out, tensor(rank_values(ctx.rank, N), dtype))
+        expected = np.concatenate([rank_values(r, N) for r in range(world)])
+        return {"gathered": allclose(out, expected, dtype)}
+    return case
+
+
+def _all_reduce(op: str, dtype_name: str):
+    def case(ctx: Context) -> dict:
+        dtype = DTYPES[dtype_name]
+        t = tensor(rank_values(ctx.rank, N), dtype)
+        ctx.comm.all_reduce(t, op=op)
+        return {"reduced_in_place": allclose(t, reduced(ctx, N, op), dtype)}
+    return case
+
+
+for _dt in DTYPES:
+    for _op in ("sum", "avg"):
+        suite.add(f"reduce_scatter_{_op}_{_dt}", _reduce_scatter(_op, _dt))
+        suite.add(f"all_reduce_{_op}_{_dt}", _all_reduce(_op, _dt))
+    suite.add(f"all_gather_{_dt}", _all_gather(_dt))
+
+
+# -- outputs that are prefix views of larger buffers (pool leases) ----------------------------
+def _reduce_scatter_into_prefix_view(dtype_name: str):
+    def case(ctx: Context) -> dict:
+        dtype, world = DTYPES[dtype_name], ctx.world_size
+        whole, out = prefix_view(N, 13, dtype)
+        in_whole, inp = prefix_view(world * N, 7, dtype)
+        writable_view(inp)[:] = writable_view(tensor(rank_values(ctx.rank, world * N), dtype))
+        ctx.comm.reduce_scatter(out, inp, op="sum")
+        expected = reduced(ctx, world * N, "sum")[ctx.rank * N:(ctx.rank + 1) * N]
+        return {"prefix": allclose(out, expected, dtype),
+                "rest_of_buffer_untouched": untouched(whole, N, dtype),
+                "input_buffer_tail_untouched": untouched(in_whole, world * N, dtype)}
+    return case
+
+
+def _collectives_into_pool_leases(dtype_name: str):
+    def case(ctx: Context) -> dict:
+        dtype, world = DTYPES[dtype_name], ctx.world_size
+        pool = BucketPool(alignment_bytes=512)
+        src = pool.acquire(world * N, dtype)
+        shard = pool.acquire(N, dtype)
+        gathered = pool.acquire(world * N, dtype)
+        assert not shard.is_whole_bucket, "the test needs a lease that is a prefix view"
+        ctx.comm.all_gather(src.tensor, tensor(rank_values(ctx.rank, N), dtype))
+        ctx.comm.reduce_scatter(shard.tensor, src.tensor, op="avg")
+        ctx.comm.all_gather(gathered.tensor, shard.tensor)
+        ctx.comm.all_reduce(shard.tensor, op="sum")
+        every_rank = np.concatenate([rank_values(r, N) for r in range(world)])
+        # Every rank's src holds the same concatenation, so its average is that concatenation
+        # and rank r's shard is chunk r of it; the all-reduce then sums the ranks' chunks.
+        return {"all_gather_into_lease": allclose(src.tensor, every_rank, dtype),
+                "reduce_scatter_avg_into_lease": allclose(gathered.tensor, every_rank, dtype),
+                "all_reduce_in_lease": allclose(
+                    shard.tensor, every_rank.reshape(world, N).sum(axis=0), dtype)}
+    return case
+
+
+for _dt in DTYPES:
+    suite.add(f"reduce_scatter_into_prefix_view_{_dt}", _reduce_scatter_into_prefix_view(_dt))
+    suite.add(f"collectives_into_pool_leases_{_dt}", _collectives_into_pool_leases(_dt))
+
+
+@suite.case
+def reduce_scatter_from_offset_view_float32(ctx: Context) -> dict:
+    """Input at a non-zero storage offset (a bucket's later part), output at one too."""
+    world = ctx.world_size
+    values = rank_values(ctx.rank, world * N)
+    whole = tensor(np.concatenate([np.full(5, SENTINEL), values]), ms.float32)
+    out_whole = tensor(np.full(N + 3, SENTINEL), ms.float32)
+    ctx.comm.reduce_scatter(out_whole[3:], whole[5:], op="sum")
+    expected = reduced(ctx, world * N, "sum")[ctx.rank * N:(ctx.rank + 1) * N]
+    return {"shard": allclose(out_whole[3:], expected, ms.float32),
+            "head_untouched": allclose(out_whole[:3], np.full(3, SENTINEL), ms.float32)}
+
+
+# -- larger buckets, repeated shapes -----------------------------------------------------------
+@suite.case
+def reduce_scatter_large_float32(ctx: Context) -> dict:
+    world, n = ctx.world_size, 1 << 18
+    inp = tensor(rank_values(ctx.rank, world * n, seed=7), ms.float32)
+    out = mint.zeros(n, dtype=ms.float32)
+    timings = []
+    for _ in range(3):
+        start = time.perf_counter()
+        ctx.comm.reduce_scatter(out, inp, op="sum")
+        timings.append(time.perf_counter() - start)
+    expected = reduced(ctx, world * n, "sum", seed=7)[ctx.rank * n:(ctx.rank + 1) * n]
+    print(f"reduce_scatter {world}x{n} fp32 seconds per call: {timings}", flush=True)
+    return {"shard": allclose(out, expected, ms.float32)}
+
+
+# -- argument checks (local: no rank enters a collective) --------------------------------------
+@suite.case
+def wrong_output_size_raises(ctx: Context) -> dict:
+    world = ctx.world_size
+    inp = mint.zeros(world * N, dtype=ms.float32)
+    return {
+        "reduce_scatter": raises(CommError, lambda: ctx.comm.reduce_scatter(
+            mint.zeros(N + 1, dtype=ms.float32), inp), str(N + 1), f"expected {N}"),
+        "all_gather": raises(CommError, lambda: ctx.comm.all_gather(
+            mint.zeros(N, dtype=ms.float32), mint.zeros(N, dtype=ms.float32)),
+            f"expected {world * N}"),
+        "input_not_multiple_of_world": raises(CommError, lambda: ctx.comm.reduce_scatter(
+            mint.zeros(N, dtype=ms.float32), mint.zeros(world * N + 1, dtype=ms.float32)),
+            "multiple"),
+    }
+
+
+@suite.case
+def wrong_output_dtype_raises(ctx: Context) -> dict:
+    inp = mint.zeros(ctx.world_size * N, dtype=ms.float32)
+    return {"reduce_scatter": raises(CommError, lambda: ctx.comm.reduce_scatter(
+        mint.zeros(N, dtype=ms.float16), inp), "Float16", "Float32")}
+
+
+# -- handles and backend choice ----------------------------------------------------------------
+@suite.case
+def communicator_for_picks_mccl(ctx: Context) -> dict:
+    comm = communicator_for()
+    return {"type": equal(type(comm).__name__, CpuMcclCommunicator.__name__),
+            "world_size": equal(comm.world_size, 2),
+            "rank_matches_env": equal(comm.rank, ctx.rank)}
+
+
+@suite.case
+def async_op_returns_completed_handle(ctx: Context) -> dict:
+    t = tensor(rank_values(ctx.rank, N), ms.float32)
+    handle = ctx.comm.all_reduce(t, async_op=True)
+    return {"type": equal(type(handle).__name__, CompletedHandle.__name__),
+            "completed": equal(handle.is_completed(), True),
+            "written": allclose(t, reduced(ctx, N, "sum"), ms.float32)}
+
+
+@suite.case
+def fault_injection_over_mccl(ctx: Context) -> dict:
+    faulty = FaultInjectingCommunicator(ctx.comm, delay_seconds=0.3, fail_wait=True)
+    t = tensor(rank_values(ctx.rank, N), ms.float32)
+    handle = faulty.all_reduce(t)
+    before = handle.is_completed()
+    written_before_wait = allclose(t, reduced(ctx, N, "sum"), ms.float32)
+    wait = raises(CommError, handle.wait, "injected failure")
+    return {"not_completed_before_delay": equal(before, False),
+            "result_written_before_wait": written_before_wait,
+            "wait_raises": wait,
+            "completed_after_wait": equal(handle.is_completed(), True),
+            "launches": equal(faulty.launches, 1)}
+
+
+if __name__ == "__main__":
+    suite.main()

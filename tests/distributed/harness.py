@@ -1,0 +1,238 @@
+"""Many named cases per msrun launch: run them on every rank, write JSON, check them in pytest.
+
+A launch costs ~14 s, so a distributed test module launches once and parametrizes over the
+cases. Each case runs on every rank, in the same order; one that raises is recorded as an error
+and the next case runs (so a case must not raise on one rank between collectives the other
+rank still enters: check arguments before communicating).
+
+Rank side (``tests/distributed/<suite>_cases.py``)::
+
+    from harness import Suite, allclose, raises
+    suite = Suite("reducer")
+
+    @suite.case
+    def some_case(ctx):                 # ctx.rank, ctx.world_size, ctx.comm
+        ...
+        return {"shard": allclose(actual_tensor, expected_ndarray, dtype)}
+
+    if __name__ == "__main__":
+        suite.main()                    # argv: OUT_DIR [CASE ...]
+
+Pytest side::
+
+    suite = harness.load_suite(CASES_SCRIPT)                 # at collection: suite.names
+    results = harness.launch_suite(CASES_SCRIPT, suite.name, tmp_dir)   # module-scoped fixture
+    results.verify("some_case")                              # one test per name
+
+A case returns a dict of named checks (``allclose``, ``equal``, ``raises``), computed with NumPy
+on the rank; :meth:`SuiteResults.verify` asserts them all, on every rank.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+# Small enough to keep in the JSON for a readable diff; larger checks keep a summary only.
+_MAX_STORED = 4096
+TOLERANCE = {"float32": (1e-6, 1e-6), "float16": (1e-3, 1e-3), "bfloat16": (1e-2, 1e-2),
+             "float64": (1e-12, 1e-12)}
+
+
+@dataclass
+class Context:
+    rank: int
+    world_size: int
+    comm: Any
+
+
+# -- checks (rank side) --------------------------------------------------------------------------
+def to_numpy(tensor) -> np.ndarray:
+    """A float64 copy of a MindSpore tensor (bfloat16 has no NumPy dtype: read it as float32)."""
+    import mindspore as ms
+    if tensor.dtype == ms.bfloat16:
+        tensor = tensor.astype(ms.float32)
+    return np.array(tensor.asnumpy(), dtype=np.float64)   # asnumpy shares memory on CPU: copy
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).lower()
+
+
+def allclose(actual, expected, dtype=None, rtol=None, atol=None) -> dict:
+    """``actual`` (tensor or array) equals ``expected`` within the tolerance of ``dtype``
+    (or the ``rtol``/``atol`` given)."""
+    actual = to_numpy(actual) if not isinstance(actual, np.ndarray) else actual.astype(np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    name = dtype_name(dtype) if dtype is not None else "float64"
+    rtol = TOLERANCE[name][0] if rtol is None else rtol
+    atol = TOLERANCE[name][1] if atol is None else atol
+    check = {"kind": "allclose", "dtype": name, "rtol": rtol, "atol": atol,
+             "shape": list(actual.shape), "expected_shape": list(expected.shape)}
+    if actual.shape == expected.shape:
+        bad = ~np.isclose(actual, expected, rtol=rtol, atol=atol)
+        check["mismatches"] = int(bad.sum())
+        check["max_abs_err"] = float(np.abs(actual - expected).max()) if actual.size else 0.0
+        check["first_mismatches"] = [[int(i), float(actual.flat[i]), float(expected.flat[i])]
+                                     for i in np.flatnonzero(bad)[:5]]
+    if actual.size <= _MAX_STORED:
+        check["actual"] = actual.tolist()
+        check["expected"] = expected.tolist()
+    return check
+
+
+def equal(actual, expected) -> dict:
+    return {"kind": "equal", "actual": actual, "expected": expected}
+
+
+def raises(exc_type: type, fn: Callable[[], Any], *message_parts: str) -> dict:
+    """``fn()`` raises ``exc_type`` (by class name) whose message holds every ``message_parts``."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - recorded, asserted in pytest
+        raised, message = type(exc).__name__, str(exc)
+    else:
+        raised, message = None, ""
+    return {"kind": "raises", "expected": exc_type.__name__, "raised": raised,
+            "message": message, "message_parts": list(message_parts)}
+
+
+# -- running (rank side) -------------------------------------------------------------------------
+class Suite:
+    def __init__(self, name: str):
+        self.name = name
+        self.cases: dict[str, Callable[[Context], dict]] = {}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.cases)
+
+    def case(self, fn: Callable[[Context], dict]) -> Callable[[Context], dict]:
+        if fn.__name__ in self.cases:
+            raise ValueError(f"case {fn.__name__!r} is defined twice in suite {self.name!r}")
+        self.cases[fn.__name__] = fn
+        return fn
+
+    def add(self, name: str, fn: Callable[[Context], dict]) -> None:
+        """Register a generated case (e.g. one per dtype) under ``name``."""
+        fn.__name__ = name
+        self.case(fn)
+
+    def main(self, argv: Optional[list[str]] = None) -> None:
+        """Entry point on each rank: ``OUT_DIR [CASE ...]``; writes ``<suite>_rank<r>.json``."""
+        argv = sys.argv[1:] if argv is None else argv
+        out_dir, only = Path(argv[0]), set(argv[1:])
+        # First thing: in msrun's scheduler process this call serves the cluster and never returns.
+        from gradpool.comm import communicator_for, init_distributed
+        rank, world = init_distributed()
+        ctx = Context(rank=rank, world_size=world, comm=communicator_for())
+        report = {"suite": self.name, "rank": rank, "world_size": world,
+                  "pid": os.getpid(), "cases": {}}
+        for name, fn in self.cases.items():
+            if only and name not in only:
+                continue
+            report["cases"][name] = _run_case(fn, ctx)
+            _write_json(out_dir / f"{self.name}_rank{rank}.json", report)   # partial results survive
+        _write_json(out_dir / f"{self.name}_rank{rank}.json", report)
+
+
+def _run_case(fn: Callable[[Context], dict], ctx: Context) -> dict:
+    start = time.perf_counter()
+    try:
+        checks = fn(ctx)
+        record = {"status": "ok", "checks": checks}
+    except Exception as exc:  # noqa: BLE001 - one failing case must not hide the others
+        record = {"status": "error", "error_type": type(exc).__name__, "message": str(exc),
+                  "traceback": traceback.format_exc()}
+    record["seconds"] = time.perf_counter() - start
+    return record
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+# -- checking (pytest side) ----------------------------------------------------------------------
+@dataclass
+class SuiteResults:
+    suite: str
+    reports: list[dict]          # one per rank, in rank order
+    launch: Any = None           # the gradpool.launch.LaunchResult
+
+    def verify(self, name: str) -> None:
+        for report in self.reports:
+            record = report["cases"].get(name)
+            where = f"case {name!r} on rank {report['rank']}"
+            assert record is not None, f"{where}: not run (no result recorded)"
+            assert record["status"] == "ok", \
+                f"{where} raised {record['error_type']}: {record['message']}\n{record['traceback']}"
+            for check_name, check in record["checks"].items():
+                _verify_check(f"{where}, check {check_name!r}", check)
+
+    def seconds(self, name: str) -> list[float]:
+        return [report["cases"][name]["seconds"] for report in self.reports]
+
+
+def load_results(out_dir, suite: str, nproc: int, launch=None) -> SuiteResults:
+    reports = []
+    for rank in range(nproc):
+        path = Path(out_dir) / f"{suite}_rank{rank}.json"
+        assert path.is_file(), f"rank {rank} wrote no results ({path} is missing)"
+        reports.append(json.loads(path.read_text()))
+    return SuiteResults(suite=suite, reports=reports, launch=launch)
+
+
+def launch_suite(script, suite: str, out_dir, nproc: int = 2,
+                 timeout: float = 600) -> SuiteResults:
+    """One msrun launch of a cases script; its results, ready to verify per case."""
+    from gradpool.launch import run_ranks
+    launch = run_ranks(script, args=[str(out_dir)], nproc=nproc,
+                       log_dir=Path(out_dir) / "logs", timeout=timeout)
+    return load_results(out_dir, suite, nproc, launch)
+
+
+def load_suite(script) -> Suite:
+    """Import a cases script without running it (for its case names at collection time)."""
+    import importlib.util
+    script = Path(script)
+    if str(script.parent) not in sys.path:
+        sys.path.insert(0, str(script.parent))     # the script imports ``harness``
+    spec = importlib.util.spec_from_file_location(f"_cases_{script.stem}", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.suite
+
+
+def _verify_check(where: str, check: dict) -> None:
+    kind = check["kind"]
+    if kind == "allclose":
+        assert check["shape"] == check["expected_shape"], \
+            f"{where}: shape {check['shape']}, expected {check['expected_shape']}"
+        if "actual" in check:
+            np.testing.assert_allclose(check["actual"], check["expected"], rtol=check["rtol"],
+                                       atol=check["atol"], err_msg=where)
+        assert check["mismatches"] == 0, (
+            f"{where}: {check['mismatches']} elements differ (max abs err {check['max_abs_err']}, "
+            f"rtol {check['rtol']}, atol {check['atol']}); first [index, actual, expected]: "
+            f"{check['first_mismatches']}")
+    elif kind == "equal":
+        assert check["actual"] == check["expected"], \
+            f"{where}: got {check['actual']!r}, expected {check['expected']!r}"
+    elif kind == "raises":
+        assert check["raised"] == check["expected"], \
+            f"{where}: expected {check['expected']}, got {check['raised']}: {check['message']}"
+        for part in check["message_parts"]:
+            assert part in check["message"], \
+                f"{where}: message lacks {part!r}: {check['message']}"
+    else:
+        raise AssertionError(f"{where}: unknown check kind {kind!r}")

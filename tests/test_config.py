@@ -1,0 +1,377 @@
+"""The YAML config loader: shipped files load, every bad input names what was wrong."""
+import dataclasses
+import json
+import math
+import pathlib
+
+import pytest
+import yaml
+from hypothesis import given, settings, strategies as st
+
+from gradpool.config import (
+    MIB, GradPoolConfig, ModelConfig, Override, RunConfig, dump_yaml, from_dict, known_keys,
+    load_config, parse_override)
+from gradpool.errors import (
+    ConfigError, ConfigValueError, OverrideSyntaxError, UnknownConfigKeyError)
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+TINY = CONFIGS / "deepseek3_tiny.yaml"
+ASCEND = CONFIGS / "deepseek3_910b_2card.yaml"
+
+
+def write(tmp_path, text, name="run.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# ---- shipped files ----------------------------------------------------------------------
+@pytest.mark.parametrize("path", [TINY, ASCEND], ids=lambda p: p.name)
+def test_shipped_files_load_with_the_field_configuration(path):
+    cfg = load_config(path)
+    fs = cfg.fully_shard
+    assert fs.param_dtype is None and fs.reduce_dtype == "float32"
+    assert fs.apply_grad_on_fp32_main_grad is True and fs.comm_fusion is False
+    assert cfg.launch.ranks == 2
+    assert cfg.gradpool.alignment_bytes == 512
+    assert cfg.model.vocab_size % 2 == 1  # uneven shards of the embedding's dim 0
+
+
+def test_tiny_file_is_the_cpu_default():
+    cfg = load_config(TINY)
+    assert cfg.launch.device == "CPU"
+    assert cfg.model == ModelConfig()  # the file states the defaults
+    assert cfg.train.learning_rate == pytest.approx(1e-3)
+
+
+def test_ascend_file_targets_ascend_with_a_larger_model():
+    cfg = load_config(ASCEND)
+    assert cfg.launch.device == "Ascend"
+    assert cfg.model.hidden_size > ModelConfig().hidden_size
+
+
+@pytest.mark.parametrize("path", [TINY, ASCEND], ids=lambda p: p.name)
+def test_every_key_in_shipped_files_has_a_comment(path):
+    for line in path.read_text().splitlines():
+        if line.startswith("  ") and ":" in line:
+            assert "#" in line, f"{path.name}: no comment on {line.strip()!r}"
+
+
+def test_every_known_key_is_in_the_shipped_files():
+    for path in (TINY, ASCEND):
+        data = yaml.safe_load(path.read_text())
+        assert {s: tuple(body) for s, body in data.items()} == known_keys()
+
+
+# ---- defaults and units ---------------------------------------------------------------------
+def test_empty_file_gives_defaults(tmp_path):
+    assert load_config(write(tmp_path, "")) == RunConfig()
+    assert load_config(write(tmp_path, "gradpool:\n")) == RunConfig()
+
+
+def test_mib_properties_convert_to_bytes():
+    pool = GradPoolConfig(bucket_cap_mib=0.5, max_cached_mib=3)
+    assert pool.bucket_cap_bytes == MIB // 2
+    assert pool.max_cached_bytes == 3 * MIB
+    assert GradPoolConfig().max_cached_bytes is None
+    assert pool.pool_kwargs() == {"alignment_bytes": 512, "max_cached_bytes": 3 * MIB,
+                                  "poison_on_release": False, "max_buckets_in_flight": 2}
+
+
+def test_exponent_without_dot_is_a_float(tmp_path):
+    # PyYAML (YAML 1.1) would read 1e-4 as the string "1e-4".
+    cfg = load_config(write(tmp_path, "train:\n  learning_rate: 1e-4\n"))
+    assert cfg.train.learning_rate == pytest.approx(1e-4)
+
+
+def test_enum_values_are_case_insensitive_and_stored_canonically(tmp_path):
+    cfg = load_config(write(tmp_path, "launch:\n  device: ascend\nfully_shard:\n  reduce_op: SUM\n"))
+    assert cfg.launch.device == "Ascend" and cfg.fully_shard.reduce_op == "sum"
+
+
+# ---- bad files --------------------------------------------------------------------------------
+def test_unknown_nested_key_names_path_file_and_suggestion(tmp_path):
+    path = write(tmp_path, "fully_shard:\n  comm_fuson: true\n")
+    with pytest.raises(UnknownConfigKeyError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert "'fully_shard.comm_fuson'" in message
+    assert str(path) in message
+    assert "did you mean 'fully_shard.comm_fusion'" in message
+
+
+def test_unknown_top_level_section_names_it_and_suggests(tmp_path):
+    path = write(tmp_path, "gradpol:\n  zero_copy: true\n")
+    with pytest.raises(UnknownConfigKeyError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert "'gradpol'" in message and str(path) in message
+    assert "did you mean 'gradpool'" in message
+
+
+def test_unknown_key_without_a_close_match_lists_known_keys(tmp_path):
+    with pytest.raises(UnknownConfigKeyError) as info:
+        load_config(write(tmp_path, "train:\n  zzz: 1\n"))
+    assert "'train.zzz'" in str(info.value) and "learning_rate" in str(info.value)
+
+
+@pytest.mark.parametrize("text, key, given, allowed", [
+    ("fully_shard:\n  comm_fusion: 'true'\n", "fully_shard.comm_fusion", "'true' (str)", "bool"),
+    ("fully_shard:\n  comm_fusion: 1\n", "fully_shard.comm_fusion", "1 (int)", "bool"),
+    ("train:\n  steps: 2.5\n", "train.steps", "2.5 (float)", "an integer >= 1"),
+    ("train:\n  steps: true\n", "train.steps", "True (bool)", "an integer >= 1"),
+    ("model:\n  vocab_size: '67'\n", "model.vocab_size", "'67' (str)", "an integer >= 2"),
+    ("gradpool:\n  bucket_cap_mib: big\n", "gradpool.bucket_cap_mib", "'big' (str)", "number > 0"),
+    ("launch:\n  log_dir: 7\n", "launch.log_dir", "7 (int)", "string or null"),
+    ("launch:\n  master_port: 70000\n", "launch.master_port", "70000 (int)", "<= 65535"),
+], ids=lambda v: v if isinstance(v, str) and "\n" not in v and "." in v else None)
+def test_wrong_type_names_key_given_value_and_allowed(tmp_path, text, key, given, allowed):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigValueError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert key in message and given in message and allowed in message and str(path) in message
+    assert info.value.key == key
+
+
+@pytest.mark.parametrize("text, key, given, allowed", [
+    ("fully_shard:\n  reduce_op: max\n", "fully_shard.reduce_op", "'max'", "'avg', 'sum'"),
+    ("fully_shard:\n  reduce_dtype: fp32\n", "fully_shard.reduce_dtype", "'fp32'",
+     "'float32', 'float16', 'bfloat16' or null"),
+    ("fully_shard:\n  param_dtype: int8\n", "fully_shard.param_dtype", "'int8'", "'bfloat16'"),
+    ("train:\n  optimizer: adamw\n", "train.optimizer", "'adamw'", "'adam', 'sgd'"),
+    ("launch:\n  device: GPU\n", "launch.device", "'GPU'", "'CPU', 'Ascend'"),
+])
+def test_bad_enum_value_lists_allowed_values(tmp_path, text, key, given, allowed):
+    with pytest.raises(ConfigValueError) as info:
+        load_config(write(tmp_path, text))
+    message = str(info.value)
+    assert key in message and given in message and allowed in message
+
+
+def test_bad_enum_value_suggests_the_closest():
+    with pytest.raises(ConfigValueError, match=r"did you mean 'avg'"):
+        from_dict({"fully_shard": {"reduce_op": "avgg"}})
+
+
+@pytest.mark.parametrize("section, key, value", [
+    ("gradpool", "bucket_cap_mib", 0), ("gradpool", "bucket_cap_mib", -1.5),
+    ("gradpool", "max_cached_mib", 0), ("gradpool", "buckets_in_flight", 0),
+    ("gradpool", "alignment_bytes", 0), ("gradpool", "alignment_bytes", -512),
+    ("gradpool", "alignment_bytes", 510), ("train", "learning_rate", 0.0),
+    ("train", "steps", 0), ("launch", "ranks", 0), ("model", "num_layers", -1),
+    ("gradpool", "bucket_cap_mib", float("inf")), ("train", "learning_rate", float("nan")),
+])
+def test_non_positive_or_non_finite_numbers_are_rejected(section, key, value):
+    with pytest.raises(ConfigValueError) as info:
+        from_dict({section: {key: value}})
+    assert f"{section}.{key} = {value!r}" in str(info.value)
+
+
+def test_cross_key_checks_name_both_keys():
+    with pytest.raises(ConfigValueError, match=r"model.hidden_size = 30.*model.num_heads = 4"):
+        from_dict({"model": {"hidden_size": 30}})
+    with pytest.raises(ConfigValueError, match=r"experts_per_token = 5.*num_experts = 4"):
+        from_dict({"model": {"experts_per_token": 5}})
+
+
+def test_direct_construction_is_checked_too():
+    with pytest.raises(ConfigValueError, match=r"model.vocab_size = -1"):
+        ModelConfig(vocab_size=-1)
+    with pytest.raises(ConfigValueError, match=r"RunConfig.model must be a ModelConfig"):
+        RunConfig(model={"vocab_size": 67})
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("- 1\n- 2\n", "top level must be a mapping"),
+    ("model: 3\n", "section 'model' must be a mapping"),
+    ("model:\n  seq_len: 8\n  seq_len: 9\n", "duplicate key 'seq_len'"),
+    ("model: [unclosed\n", "not valid YAML"),
+    ("model:\n  [a]: 1\n", "unhashable key"),
+])
+def test_malformed_files(tmp_path, text, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(write(tmp_path, text))
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
+
+
+# ---- overrides ------------------------------------------------------------------------------
+def test_override_applies_and_later_wins():
+    cfg = load_config(TINY, ["fully_shard.comm_fusion=true", "train.steps=3", "train.steps=4"])
+    assert cfg.fully_shard.comm_fusion is True and cfg.train.steps == 4
+
+
+@pytest.mark.parametrize("text, value", [
+    ("fully_shard.comm_fusion=true", True), ("fully_shard.comm_fusion='true'", True),
+    ("fully_shard.comm_fusion=\"False\"", False), ("fully_shard.comm_fusion = off", False),
+])
+def test_override_accepts_bool_strings(text, value):
+    assert from_dict({}, [text]).fully_shard.comm_fusion is value
+
+
+def test_override_parses_yaml_scalars():
+    assert parse_override("train.learning_rate=1e-4").value == pytest.approx(1e-4)
+    assert parse_override("launch.master_port=null").value is None
+    assert parse_override("launch.log_dir=").value is None
+    assert parse_override("launch.log_dir=a=b").value == "a=b"  # split on the first '='
+    assert parse_override("model.seq_len=16") == Override("model", "seq_len", 16, "model.seq_len=16")
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("fully_shard.comm_fusion", "section.key=value"),
+    ("comm_fusion=true", "must be section.key"),
+    ("fully_shard.comm_fusion.x=true", "must be section.key"),
+    ("=true", "must be section.key"),
+    ("model.seq_len=[1, 2]", "one scalar"),
+    ("model.seq_len={a: 1}", "one scalar"),
+    ("model.seq_len='unclosed", "not valid YAML"),
+])
+def test_bad_override_syntax(text, fragment):
+    with pytest.raises(ConfigError, match=fragment) as info:
+        parse_override(text)
+    assert repr(text) in str(info.value)
+    if fragment != "not valid YAML":
+        assert isinstance(info.value, OverrideSyntaxError)
+
+
+def test_unknown_override_key_names_the_override():
+    text = "fully_shard.comm_fuson=true"
+    with pytest.raises(UnknownConfigKeyError) as info:
+        load_config(TINY, [text])
+    message = str(info.value)
+    assert repr(text) in message and "'fully_shard.comm_fuson'" in message
+    assert "did you mean 'fully_shard.comm_fusion'" in message
+    with pytest.raises(UnknownConfigKeyError, match="unknown section 'fullyshard'"):
+        parse_override("fullyshard.comm_fusion=true")
+
+
+def test_bad_override_value_names_the_override():
+    text = "fully_shard.reduce_op=max"
+    with pytest.raises(ConfigValueError) as info:
+        load_config(TINY, [text])
+    assert repr(text) in str(info.value) and "'avg', 'sum'" in str(info.value)
+    with pytest.raises(ConfigValueError, match=r"comm_fusion = 'maybe'"):
+        from_dict({}, ["fully_shard.comm_fusion=maybe"])
+
+
+def test_cross_key_error_from_an_override_names_the_override():
+    with pytest.raises(ConfigValueError, match=r"'model.num_heads=5'"):
+        load_config(TINY, ["model.num_heads=5"])
+
+
+# ---- round trip -------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", [TINY, ASCEND], ids=lambda p: p.name)
+def test_round_trip_through_yaml(tmp_path, path):
+    cfg = load_config(path, ["gradpool.max_cached_mib=0.75", "launch.log_dir=logs/run 1"])
+    data = cfg.to_dict()
+    assert json.loads(json.dumps(data)) == data  # plain builtins only
+    again = load_config(write(tmp_path, dump_yaml(cfg), "again.yaml"))
+    assert again == cfg and again.to_dict() == data
+    assert from_dict(data) == cfg
+
+
+# ---- property: random valid overrides produce the values set ---------------------------------
+def _yaml_text(value):
+    """Render a value as override text the way a user would type it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return repr(value)  # e.g. 1e-05, 0.25: both read back as floats
+    if isinstance(value, int):
+        return str(value)
+    # A JSON string is a valid YAML double-quoted scalar; keep non-ASCII raw because PyYAML
+    # does not join \u surrogate-pair escapes back into one character.
+    return json.dumps(value, ensure_ascii=False)
+
+
+finite_positive = st.floats(min_value=1e-6, max_value=1e6, allow_nan=False, allow_infinity=False)
+dtype = st.sampled_from([None, "float32", "float16", "bfloat16"])
+SIMPLE = {
+    "fully_shard.comm_fusion": st.booleans(),
+    "fully_shard.reshard_after_forward": st.booleans(),
+    "fully_shard.param_dtype": dtype,
+    "fully_shard.reduce_dtype": dtype,
+    "fully_shard.apply_grad_on_fp32_main_grad": st.booleans(),
+    "fully_shard.reduce_op": st.sampled_from(["avg", "sum"]),
+    "gradpool.bucket_cap_mib": finite_positive,
+    "gradpool.buckets_in_flight": st.none() | st.integers(1, 64),
+    "gradpool.alignment_bytes": st.integers(1, 1024).map(lambda n: 4 * n),
+    "gradpool.zero_copy": st.booleans(),
+    "gradpool.poison_on_release": st.booleans(),
+    "gradpool.max_cached_mib": st.none() | finite_positive,
+    "gradpool.verify_gradients": st.booleans(),
+    "model.vocab_size": st.integers(2, 100_000),
+    "model.num_layers": st.integers(1, 64),
+    "model.expert_hidden": st.integers(1, 4096),
+    "model.seq_len": st.integers(1, 4096),
+    "model.batch_size": st.integers(1, 512),
+    "train.steps": st.integers(1, 10_000),
+    "train.micro_steps": st.integers(1, 64),
+    "train.learning_rate": finite_positive,
+    "train.seed": st.integers(0, 2**32 - 1),
+    "train.optimizer": st.sampled_from(["adam", "sgd"]),
+    "launch.ranks": st.integers(1, 1024),
+    "launch.device": st.sampled_from(["CPU", "Ascend"]),
+    "launch.master_port": st.none() | st.integers(1, 65535),
+    "launch.log_dir": st.none() | st.text(
+        st.characters(whitelist_categories=("L", "N"), whitelist_characters="/_-. "),
+        min_size=1, max_size=20).filter(lambda s: s.strip() == s),
+}
+
+
+@st.composite
+def model_shape(draw):
+    """Keys tied by cross-key rules are drawn together so every set is valid."""
+    heads = draw(st.integers(1, 16))
+    experts = draw(st.integers(1, 16))
+    return {"model.num_heads": heads,
+            "model.hidden_size": heads * draw(st.integers(1, 64)),
+            "model.num_experts": experts,
+            "model.experts_per_token": draw(st.integers(1, experts))}
+
+
+MODEL_SHAPE_KEYS = {"model.num_heads", "model.hidden_size", "model.num_experts",
+                    "model.experts_per_token"}
+
+
+def test_property_strategies_cover_every_key():
+    # A key added to the schema must be added to the property test too.
+    every = {f"{s}.{k}" for s, keys in known_keys().items() for k in keys}
+    assert set(SIMPLE) | MODEL_SHAPE_KEYS == every
+
+
+@st.composite
+def override_sets(draw):
+    keys = draw(st.lists(st.sampled_from(sorted(SIMPLE)), unique=True, max_size=len(SIMPLE)))
+    chosen = {key: draw(SIMPLE[key]) for key in keys}
+    if draw(st.booleans()):
+        chosen.update(draw(model_shape()))
+    return chosen
+
+
+_TINY_DICT = load_config(TINY).to_dict()
+
+
+@settings(max_examples=150, deadline=None)
+@given(chosen=override_sets())
+def test_random_valid_overrides_produce_the_values_set(chosen):
+    texts = [f"{key}={_yaml_text(value)}" for key, value in chosen.items()]
+    cfg = load_config(TINY, texts)
+    base = _TINY_DICT
+    got = cfg.to_dict()
+    for section, body in got.items():
+        for key, value in body.items():
+            want = chosen.get(f"{section}.{key}", base[section][key])
+            if isinstance(want, float):
+                assert math.isclose(value, want, rel_tol=1e-12)
+            else:
+                assert value == want, f"{section}.{key}"
+    # The overridden config round-trips as well.
+    assert from_dict(yaml.safe_load(dump_yaml(cfg))) == cfg
+    assert dataclasses.replace(cfg) == cfg
