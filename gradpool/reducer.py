@@ -1,0 +1,250 @@
+"""The reduce path in one place: lease -> pack -> collective -> fence -> shard views -> recycle.
+
+Usage::
+
+    reducer = GradReducer(pool, communicator, ReducerConfig(reduce_dtype=ms.float32))
+    result = reducer.reduce_scatter(grads)          # packs into pool buckets, launches
+    shards = result.wait()                          # one shard view per gradient, in order
+    ...use shards (cast into main_grad, optimizer step)...
+    result.release()                                # output buckets go back to the pool
+
+Lifetimes:
+
+* The **input** bucket is released right after launch, fenced on the collective's handle: the
+  pool will not lease it again until the collective has completed, and nobody frees it.
+* With ``zero_copy`` the collective reads the caller's gradient in place; the result keeps a
+  reference to it (a *borrow*) until ``wait()`` returns, then drops it. It is never freed.
+* The **output** bucket stays leased until ``result.release()``: the shard views returned by
+  ``wait()`` are views of it and are valid until then. Releasing is the caller's job (hyper_parallel
+  does it when the shard gradient has been consumed, see its param module).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import mindspore as ms
+
+from gradpool import copy as gcopy
+from gradpool.comm import CommHandle, Communicator
+from gradpool.errors import InvalidArgumentError, LeaseStateError
+from gradpool.layout import ReduceScatterLayout
+from gradpool.pool import BucketPool, Lease, check_dtype, itemsize
+
+logger = logging.getLogger(__name__)
+REDUCE_OPS = ("sum", "avg")
+
+
+@dataclass(frozen=True)
+class ReducerConfig:
+    """How gradients are reduced. ``reduce_dtype=None`` reduces in each gradient's own dtype."""
+
+    reduce_dtype: Any = None
+    comm_fusion: bool = False
+    bucket_cap_mib: float = 25.0
+    zero_copy: bool = False
+
+    def __post_init__(self):
+        if self.reduce_dtype is not None:
+            check_dtype(self.reduce_dtype)
+        if not self.bucket_cap_mib > 0:
+            raise InvalidArgumentError(
+                f"bucket_cap_mib must be positive, got {self.bucket_cap_mib!r}")
+
+
+@dataclass
+class PackedBucket:
+    """Gradients ``indices`` packed per ``layout`` into ``lease`` (or borrowed, zero-copy)."""
+
+    indices: list[int]
+    layout: ReduceScatterLayout
+    dtype: Any
+    lease: Optional[Lease] = None
+    borrowed: Optional[ms.Tensor] = None
+
+    @property
+    def input_tensor(self) -> ms.Tensor:
+        return self.borrowed if self.borrowed is not None else self.lease.tensor
+
+
+@dataclass
+class _Launched:
+    bucket: PackedBucket
+    output: Lease
+    handle: CommHandle
+
+
+@dataclass
+class ReduceResult:
+    """In-flight reduction of a list of gradients; ``wait()`` gives one shard view per gradient."""
+
+    count: int
+    launched: list[_Launched] = field(default_factory=list)
+    rank: int = 0
+    _shards: Optional[list] = None
+    _released: bool = False
+
+    def is_completed(self) -> bool:
+        return all(item.handle.is_completed() for item in self.launched)
+
+    def wait(self) -> list[ms.Tensor]:
+        if self._released:
+            raise LeaseStateError("this reduce result was released; its shard views are gone")
+        if self._shards is None:
+            try:
+                for item in self.launched:
+                    item.handle.wait()
+            except BaseException:
+                self.release()
+                raise
+            shards: list = [None] * self.count
+            for item in self.launched:
+                item.bucket.borrowed = None          # the borrow ends with the collective
+                views = gcopy.shard_views(item.output.tensor, item.bucket.layout)
+                for index, view in zip(item.bucket.indices, views):
+                    shards[index] = view
+            self._shards = shards
+        return self._shards
+
+    def release(self) -> None:
+        """Return the output buckets to the pool; shard views from ``wait()`` become invalid."""
+        if self._released:
+            return
+        self._released = True
+        for item in self.launched:
+            item.bucket.borrowed = None
+            if not item.output.released:
+                item.output.release(item.handle if not _done(item.handle) else None)
+
+
+def _done(handle: CommHandle) -> bool:
+    try:
+        return handle.is_completed()
+    except Exception:  # noqa: BLE001 - a broken handle is over as far as memory goes
+        return True
+
+
+class GradReducer:
+    """Reduce-scatters (or all-reduces) gradients through pool-owned buckets."""
+
+    def __init__(self, pool: BucketPool, comm: Communicator, config: ReducerConfig = ReducerConfig()):
+        self.pool = pool
+        self.comm = comm
+        self.config = config
+        self.borrows = 0      # gradients the collective read in place (zero-copy)
+
+    # -- planning -------------------------------------------------------------------------------
+    def reduce_dtype_for(self, grad: ms.Tensor):
+        return self.config.reduce_dtype if self.config.reduce_dtype is not None else grad.dtype
+
+    def _groups(self, grads: Sequence[ms.Tensor], world: int) -> list[tuple[Any, list[int]]]:
+        """Gradient indices per bucket: one each, or fused per reduce dtype up to the cap."""
+        if not self.config.comm_fusion:
+            return [(self.reduce_dtype_for(g), [i]) for i, g in enumerate(grads)]
+        cap = self.config.bucket_cap_mib * 2 ** 20
+        groups: list[tuple[Any, list[int]]] = []
+        open_group: dict = {}
+        for i, grad in enumerate(grads):
+            dtype = self.reduce_dtype_for(grad)
+            nbytes = grad.numel() * itemsize(dtype)
+            current = open_group.get(dtype)
+            if current is None or (current[1] and current[1] + nbytes > cap):
+                current = [len(groups), 0]
+                groups.append((dtype, []))
+                open_group[dtype] = current
+            groups[current[0]][1].append(i)
+            current[1] += nbytes
+        return groups
+
+    # -- pack / accumulate / launch ---------------------------------------------------------------
+    def pack(self, grads: Sequence[ms.Tensor], shard_dims: Optional[Sequence[int]] = None,
+             world_size: Optional[int] = None, allow_borrow: bool = True) -> list[PackedBucket]:
+        """Lease buckets and copy ``grads`` in (or borrow them, with zero-copy where allowed)."""
+        world = self.comm.world_size if world_size is None else world_size
+        dims = list(shard_dims) if shard_dims is not None else [0] * len(grads)
+        if len(dims) != len(grads):
+            raise InvalidArgumentError(
+                f"shard_dims has {len(dims)} entries for {len(grads)} gradients; give one each")
+        buckets = []
+        try:
+            for dtype, indices in self._groups(grads, world):
+                layout = ReduceScatterLayout.build(
+                    [tuple(grads[i].shape) for i in indices], world,
+                    self.pool.alignment_elements(dtype), [dims[i] for i in indices])
+                members = [grads[i] for i in indices]
+                if allow_borrow and self._can_borrow(members, layout, dtype):
+                    self.borrows += 1
+                    buckets.append(PackedBucket(indices, layout, dtype,
+                                                borrowed=members[0].view(layout.total_numel)))
+                    continue
+                lease = self.pool.acquire(layout.total_numel, dtype)
+                buckets.append(PackedBucket(indices, layout, dtype, lease=lease))
+                gcopy.pack(lease, members, layout)
+        except BaseException:
+            self.discard(buckets)
+            raise
+        return buckets
+
+    def accumulate(self, buckets: list[PackedBucket], grads: Sequence[ms.Tensor]) -> None:
+        """Add a micro-step's ``grads`` into already packed buckets (no new lease, no copy out)."""
+        for bucket in buckets:
+            if bucket.lease is None:
+                raise LeaseStateError("cannot accumulate into a borrowed gradient; pack with "
+                                      "allow_borrow=False for gradient accumulation")
+            gcopy.accumulate(bucket.lease, [grads[i] for i in bucket.indices], bucket.layout)
+
+    def launch(self, buckets: list[PackedBucket], op: str = "avg", count: Optional[int] = None,
+               all_reduce: bool = False) -> ReduceResult:
+        """Start the collective of every bucket and release the inputs fenced on it."""
+        if op not in REDUCE_OPS:
+            raise InvalidArgumentError(f"reduce op must be one of {REDUCE_OPS}, got {op!r}")
+        total = count if count is not None else sum(len(b.indices) for b in buckets)
+        result = ReduceResult(count=total, rank=self.comm.rank)
+        for position, bucket in enumerate(buckets):
+            try:
+                if all_reduce:
+                    handle = self.comm.all_reduce(bucket.lease.tensor, op=op, async_op=True)
+                    # the bucket is reduced in place: it is its own output
+                    result.launched.append(_Launched(bucket, bucket.lease, handle))
+                    continue
+                output = self.pool.acquire(bucket.layout.row_numel, bucket.dtype)
+                try:
+                    handle = self.comm.reduce_scatter(output.tensor, bucket.input_tensor, op=op,
+                                                      async_op=True)
+                except BaseException:
+                    output.release()
+                    raise
+            except BaseException:
+                result.release()
+                self.discard(buckets[position:])
+                raise
+            if bucket.lease is not None:
+                bucket.lease.release(handle)     # recycled only once the collective completed
+            result.launched.append(_Launched(bucket, output, handle))
+        return result
+
+    def discard(self, buckets: list[PackedBucket]) -> None:
+        """Give back packed buckets that will not be launched (nothing was in flight)."""
+        for bucket in buckets:
+            if bucket.lease is not None and not bucket.lease.released:
+                bucket.lease.release()
+            bucket.borrowed = None
+
+    # -- one-call forms -------------------------------------------------------------------------
+    def reduce_scatter(self, grads: Sequence[ms.Tensor], shard_dims: Optional[Sequence[int]] = None,
+                       op: str = "avg") -> ReduceResult:
+        if op not in REDUCE_OPS:
+            raise InvalidArgumentError(f"reduce op must be one of {REDUCE_OPS}, got {op!r}")
+        return self.launch(self.pack(grads, shard_dims), op=op, count=len(grads))
+
+    def all_reduce(self, grads: Sequence[ms.Tensor], op: str = "avg") -> ReduceResult:
+        """All-reduce whole gradients (replicated parameters) in pool buckets."""
+        if op not in REDUCE_OPS:
+            raise InvalidArgumentError(f"reduce op must be one of {REDUCE_OPS}, got {op!r}")
+        buckets = self.pack(grads, world_size=1, allow_borrow=False)
+        return self.launch(buckets, op=op, count=len(grads), all_reduce=True)
+
+    def _can_borrow(self, members, layout: ReduceScatterLayout, dtype) -> bool:
+        return self.config.zero_copy and layout.is_identity() and members[0].dtype == dtype \
+            and members[0].is_contiguous()

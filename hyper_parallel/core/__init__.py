@@ -1,0 +1,1 @@
+"""Core, platform-independent parts of the fully_shard surface."""

@@ -1,0 +1,31 @@
+"""Policies accepted by ``fully_shard`` (same names and fields as upstream)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """``param_dtype``: compute dtype of gathered parameters; ``reduce_dtype``: dtype gradients
+    are reduced in; ``output_dtype``: dtype module outputs are cast to; ``cast_forward_inputs``:
+    cast floating inputs to ``param_dtype``; ``apply_grad_on_fp32_main_grad``: accumulate each
+    reduced shard gradient into a float32 ``main_grad`` attribute of the sharded parameter."""
+
+    param_dtype: Optional[Any] = None
+    reduce_dtype: Optional[Any] = None
+    output_dtype: Optional[Any] = None
+    cast_forward_inputs: bool = True
+    apply_grad_on_fp32_main_grad: bool = False
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """No offloading (the default)."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Offload sharded parameters and gradients to host memory (not supported here)."""
+
+    pin_memory: bool = True

@@ -1,0 +1,1 @@
+"""Platform implementations (MindSpore only here)."""

@@ -1,0 +1,1 @@
+"""MindSpore implementation of the fully_shard reduce path, built on gradpool."""

@@ -1,0 +1,1 @@
+"""MindSpore fully_shard parameters and unit state."""

@@ -1,0 +1,234 @@
+"""One managed parameter: its local shard, its all-gather, and its pool-backed reduce path.
+
+Upstream's reduce path did ``self._grad = grad.to(reduce_dtype).reshape(-1)`` and, after the
+collective, ``self._grad.untyped_storage().resize_(0)``; with ``reduce_dtype`` equal to the
+gradient's dtype that freed autograd's own gradient. Here the reduce-scatter reads a pool lease
+(or, with zero-copy, borrows the gradient until the collective completes) and
+``reduce_scatter_output()`` only drops references: nothing in this package resizes storage.
+
+Lifetime of the reduced shard (the tensor handed back to autograd and so to the optimizer): it is
+a view of a pool output bucket, valid until the owning unit's next synchronized backward or
+``zero_grad()``, which call ``clear_reduce_scatter_output()``. Copy it if you need it longer.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, mint
+
+from gradpool.errors import GradientIntegrityError, InvalidArgumentError
+from gradpool.layout import ReduceScatterLayout
+from gradpool.reducer import REDUCE_OPS, GradReducer, ReduceResult
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _GradFingerprint:
+    """What a gradient looked like when it reached the reduce path."""
+
+    storage_bytes: int
+    digest: str
+
+
+def fingerprint(tensor: ms.Tensor) -> _GradFingerprint:
+    view = tensor.view(ms.int16) if tensor.dtype == ms.bfloat16 else tensor
+    data = np.ascontiguousarray(view.asnumpy())
+    return _GradFingerprint(tensor.untyped_storage().size(), hashlib.blake2b(data.tobytes()).hexdigest())
+
+
+@dataclass
+class ReduceSlot:
+    """Where this parameter's reduced shard is: entry ``index`` of a (maybe shared) result."""
+
+    result: ReduceResult
+    index: int
+
+
+class MindSporeHSDPParamV2:
+    """A parameter managed by ``fully_shard``: sharded along ``shard_dim`` or replicated."""
+
+    def __init__(self, cell, attr_name: str, param: Parameter, *, rank: int, world_size: int,
+                 shard_dim: int = 0, replicate: bool = False, mp_policy=None,
+                 reducer: Optional[GradReducer] = None, verify_gradients: bool = False):
+        self.cell = cell
+        self.attr_name = attr_name
+        self.name = param.name
+        self.orig_shape = tuple(param.shape)
+        self.orig_dtype = param.dtype
+        self.rank, self.world_size = rank, world_size
+        self.replicate = replicate
+        self.shard_dim = shard_dim
+        self.param_dtype = getattr(mp_policy, "param_dtype", None)
+        self.reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
+        self.use_main_grad = bool(getattr(mp_policy, "apply_grad_on_fp32_main_grad", False))
+        self.reducer = reducer
+        self.verify_gradients = verify_gradients
+        if not replicate and not 0 <= shard_dim < len(self.orig_shape):
+            raise InvalidArgumentError(
+                f"parameter {self.name} of shape {self.orig_shape} cannot be sharded on dim "
+                f"{shard_dim}")
+        self.slot = None if replicate else ReduceScatterLayout.build(
+            [self.orig_shape], world_size, 1, [shard_dim]).slots[0]
+        self.sharded_param = self._make_local(param)
+        self.sharded_param.main_grad = None
+        self._grad: Optional[ms.Tensor] = None
+        self._fingerprint: Optional[_GradFingerprint] = None
+        self._slot: Optional[ReduceSlot] = None
+        self.verified_gradients = 0     # gradients proven intact after their reduce path
+
+    # -- sharding -------------------------------------------------------------------------------
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return self.orig_shape if self.replicate else self.slot.chunk_shape
+
+    def _make_local(self, param: Parameter) -> Parameter:
+        if self.replicate:
+            param.hsdp_param = self
+            return param
+        full = param.asnumpy()
+        padded = np.zeros(self.slot.padded_shape, dtype=full.dtype)
+        padded[tuple(slice(0, d) for d in full.shape)] = full
+        start = self.rank * self.slot.chunk_size
+        local = np.take(padded, range(start, start + self.slot.chunk_size), axis=self.shard_dim)
+        shard = Parameter(ms.Tensor(np.ascontiguousarray(local)), name=param.name,
+                          requires_grad=param.requires_grad)
+        shard.hsdp_param = self
+        return shard
+
+    def unsharded(self, local: ms.Tensor) -> ms.Tensor:
+        """All-gather ``local`` (this rank's shard) into the full parameter, in ``param_dtype``."""
+        if self.replicate or self.world_size == 1:
+            full = local if self.replicate else self._trim(local)
+        else:
+            comm = self.reducer.comm
+            numel = self.slot.chunk_numel
+            gathered = mint.empty(numel * self.world_size, dtype=local.dtype)
+            comm.all_gather(gathered, local.reshape(numel), async_op=False).wait()
+            full = self._trim(self._concat_chunks(gathered))
+        if self.param_dtype is not None and full.dtype != self.param_dtype:
+            full = full.astype(self.param_dtype)
+        return full
+
+    def _concat_chunks(self, gathered: ms.Tensor) -> ms.Tensor:
+        """``[W, chunk]`` rank blocks -> the padded parameter (chunks side by side on shard_dim)."""
+        shape, dim, world = self.slot.chunk_shape, self.shard_dim, self.world_size
+        if dim == 0:
+            return gathered.reshape(self.slot.padded_shape)
+        outer = int(np.prod(shape[:dim], dtype=np.int64))
+        inner = int(np.prod(shape[dim:], dtype=np.int64))
+        blocks = gathered.reshape(world, outer, inner).permute(1, 0, 2)
+        return blocks.contiguous().reshape(self.slot.padded_shape)
+
+    def _trim(self, padded: ms.Tensor) -> ms.Tensor:
+        if padded.shape[self.shard_dim] == self.orig_shape[self.shard_dim]:
+            return padded
+        return padded.narrow(self.shard_dim, 0, self.orig_shape[self.shard_dim])
+
+    # -- reduce path (upstream names and meaning) ------------------------------------------------
+    def reduce_comm_dtype(self, grad: Optional[ms.Tensor] = None):
+        """The dtype this parameter's gradient is communicated in."""
+        if self.reduce_dtype is not None:
+            return self.reduce_dtype
+        if grad is not None:
+            return grad.dtype
+        return self.param_dtype or self.orig_dtype
+
+    def set_unsharded_grad(self, grad: ms.Tensor) -> None:
+        """Take autograd's gradient for the reduce path. Held by reference only, never freed."""
+        if tuple(grad.shape) != self.orig_shape:
+            raise InvalidArgumentError(
+                f"gradient of {self.name} has shape {tuple(grad.shape)}, expected {self.orig_shape}")
+        self._grad = grad
+        self._fingerprint = fingerprint(grad) if self.verify_gradients else None
+
+    def reduce_scatter_grad(self, async_op: bool = True, reduce_op: str = "avg",
+                            output_buffer: Optional[ms.Tensor] = None) -> None:
+        """Launch this parameter's reduce-scatter (all-reduce when replicated) on pool memory.
+
+        ``output_buffer`` is accepted for upstream compatibility; the output always lives in a
+        pool bucket, so a given buffer is refused rather than silently ignored."""
+        if reduce_op not in REDUCE_OPS:
+            raise InvalidArgumentError(f"reduce_op must be one of {REDUCE_OPS}, got {reduce_op!r}")
+        if output_buffer is not None:
+            raise InvalidArgumentError(
+                "output_buffer is not supported: reduce outputs are pool buckets; pass None")
+        if self._grad is None:
+            raise InvalidArgumentError(f"{self.name} has no gradient to reduce; call "
+                                       "set_unsharded_grad() first")
+        self.clear_reduce_scatter_output()
+        if self.replicate:
+            result = self.reducer.all_reduce([self._grad], op=reduce_op)
+        else:
+            result = self.reducer.reduce_scatter([self._grad], [self.shard_dim], op=reduce_op)
+        self._slot = ReduceSlot(result, 0)
+        if not async_op:
+            result.wait()
+
+    def attach_result(self, result: ReduceResult, index: int) -> None:
+        """Adopt entry ``index`` of a fused reduction as this parameter's output."""
+        self.clear_reduce_scatter_output()
+        self._slot = ReduceSlot(result, index)
+
+    def reduce_scatter_output(self) -> Optional[ms.Tensor]:
+        """Wait for the collective and return the reduced local shard (a pool bucket view).
+
+        The input was a pool lease, released fenced on the collective at launch and so recycled
+        by the pool, or a borrowed gradient whose reference is dropped here. Nothing is freed."""
+        if self._slot is None:
+            return None
+        shard = self._slot.result.wait()[self._slot.index]
+        self._check_gradient_intact()
+        self._grad = None
+        return shard
+
+    def finish_local_use(self) -> None:
+        """The gradient was packed into a pool bucket (a no-sync micro-step); drop it."""
+        self._check_gradient_intact()
+        self._grad = None
+
+    def clear_reduce_scatter_output(self) -> None:
+        """Return the output bucket to the pool (shared fused results are released once)."""
+        if self._slot is not None:
+            self._slot.result.release()
+            self._slot = None
+
+    def apply_reduced_grad(self, reduced: ms.Tensor) -> ms.Tensor:
+        """The gradient autograd hands back for the local shard (in the shard's dtype); with
+        ``apply_grad_on_fp32_main_grad`` it is also accumulated into ``main_grad`` (float32)."""
+        grad = reduced if reduced.dtype == self.orig_dtype else reduced.astype(self.orig_dtype)
+        if self.use_main_grad:
+            main = self.sharded_param.main_grad
+            if main is None:
+                main = mint.zeros(self.local_shape, dtype=ms.float32)
+            # out-of-place: main_grad never aliases the pool bucket the shard lives in
+            self.sharded_param.main_grad = mint.add(main, reduced.astype(ms.float32))
+        return grad
+
+    def zero_grad(self) -> None:
+        self.clear_reduce_scatter_output()
+        self._grad = None
+        self.sharded_param.main_grad = None
+
+    def _check_gradient_intact(self) -> None:
+        if self._fingerprint is None or self._grad is None:
+            return
+        now = fingerprint(self._grad)
+        if now.storage_bytes != self._fingerprint.storage_bytes:
+            raise GradientIntegrityError(
+                f"the gradient of {self.name} lost its storage during the reduce path "
+                f"({self._fingerprint.storage_bytes} -> {now.storage_bytes} bytes)")
+        if now.digest != self._fingerprint.digest:
+            raise GradientIntegrityError(
+                f"the gradient of {self.name} was changed during the reduce path")
+        self._fingerprint = None
+        self.verified_gradients += 1
+
+    def __repr__(self) -> str:
+        kind = "replicated" if self.replicate else f"Shard({self.shard_dim})"
+        return f"MindSporeHSDPParamV2({self.name}, {self.orig_shape}, {kind})"
