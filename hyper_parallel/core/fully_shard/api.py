@@ -78,7 +78,7 @@ def _check_dtype(name: str, dtype) -> None:
     if dtype is not None and dtype not in SUPPORTED_DTYPES:
         allowed = ", ".join(str(d) for d in SUPPORTED_DTYPES)
         raise InvalidArgumentError(
-            f"mp_policy.{name} must be a floating dtype ({allowed}) or None, got {dtype!r}")
+            f"mp_policy.{name} must be a floating dtype ({allowed}) or None, got {dtype}")
 
 
 def _validate(modules, mesh, mp_policy, offload_policy, world: int, reshard_after_forward,

@@ -1,0 +1,162 @@
+"""hyper_parallel's fully_shard in one process (world size 1, no msrun): surface, training against
+the unsharded reference, the per-parameter reduce API, and typed errors for bad input."""
+import importlib
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Parameter, mint, nn
+
+from gradpool.app.train import (build_sharded_model, gathered_params, train_reference,
+                                train_sharded)
+from gradpool.config import GradPoolConfig, from_dict
+from gradpool.errors import InvalidArgumentError
+from hyper_parallel import fully_shard, hsdp_sync_stream, init_device_mesh
+from hyper_parallel.core.device_mesh import DeviceMesh
+from hyper_parallel.core.fully_shard.api import HSDPModule, MixedPrecisionPolicy
+from hyper_parallel.core.fully_shard.utils import CPUOffloadPolicy, OffloadPolicy
+from hyper_parallel.platform.mindspore.fully_shard.param import MindSporeHSDPParamV2
+from hyper_parallel.platform.mindspore.fully_shard.runtime import runtime_for
+
+ms.set_device("CPU")
+FIELD = ["fully_shard.reduce_dtype=float32", "fully_shard.apply_grad_on_fp32_main_grad=true",
+         "gradpool.poison_on_release=true", "gradpool.verify_gradients=true", "train.steps=3"]
+
+
+def test_upstream_import_paths():
+    api = importlib.import_module("hyper_parallel.core.fully_shard.api")
+    utils = importlib.import_module("hyper_parallel.core.fully_shard.utils")
+    placement = importlib.import_module("hyper_parallel.core.dtensor.placement_types")
+    for name in ("fully_shard", "HSDPModule", "hsdp_sync_stream", "MixedPrecisionPolicy"):
+        assert hasattr(api, name)
+    for name in ("MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"):
+        assert hasattr(utils, name)
+    assert placement.Shard(1).dim == 1
+    assert utils.MixedPrecisionPolicy() == utils.MixedPrecisionPolicy(
+        param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=True,
+        apply_grad_on_fp32_main_grad=False)
+    param_mod = importlib.import_module("hyper_parallel.platform.mindspore.fully_shard.param")
+    for method in ("reduce_comm_dtype", "reduce_scatter_grad", "reduce_scatter_output",
+                   "clear_reduce_scatter_output", "apply_reduced_grad"):
+        assert callable(getattr(param_mod.MindSporeHSDPParamV2, method))
+
+
+@pytest.mark.parametrize("extra", [[], ["fully_shard.comm_fusion=true"], ["train.micro_steps=2"]],
+                         ids=["field", "comm_fusion", "micro_steps"])
+def test_world_one_training_equals_unsharded_reference(extra):
+    cfg = from_dict({}, FIELD + extra)
+    model = build_sharded_model(cfg)
+    assert isinstance(model, HSDPModule)
+    runtime = runtime_for(cfg.gradpool)
+    records = train_sharded(cfg, model, runtime.comm, runtime.pool)
+    ref_losses, ref_params = train_reference(cfg, world=1)
+    np.testing.assert_allclose([r.loss for r in records], ref_losses, rtol=1e-6)
+    got = gathered_params(model)
+    for name, want in ref_params.items():
+        np.testing.assert_allclose(got[name], want, rtol=1e-6, atol=1e-7, err_msg=name)
+    assert [r.new_allocations for r in records[1:]] == [0] * (len(records) - 1)
+    managed = [p.hsdp_param for p in model.trainable_params()]
+    assert {p.verified_gradients for p in managed} == {cfg.train.steps * cfg.train.micro_steps}
+    hsdp_sync_stream()
+    assert runtime.pool.stats().fenced_buckets == 0
+
+
+class TwoLayer(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        rng = np.random.default_rng(3)
+        self.w = Parameter(ms.Tensor(rng.standard_normal((5, 4)).astype(np.float32)), name="w")
+        self.v = Parameter(ms.Tensor(rng.standard_normal((3, 5)).astype(np.float32)), name="v")
+
+    def construct(self, x):
+        return mint.matmul(mint.matmul(x, self.w.T), self.v.T)
+
+
+def _loss_and_grads(net, x):
+    return ms.value_and_grad(lambda x: net(x).sum(), None, net.trainable_params())(x)
+
+
+def test_main_grad_accumulates_and_zero_grad_clears_it():
+    x = ms.Tensor(np.ones((2, 4), np.float32))
+    ref_loss, ref_grads = _loss_and_grads(TwoLayer(), x)
+    net = fully_shard(TwoLayer(), mp_policy=MixedPrecisionPolicy(
+        reduce_dtype=ms.float32, apply_grad_on_fp32_main_grad=True))
+    loss, grads = _loss_and_grads(net, x)
+    for got, want in zip(grads, ref_grads):
+        np.testing.assert_allclose(got.asnumpy(), want.asnumpy(), rtol=1e-6)
+    _loss_and_grads(net, x)
+    for param, want in zip(net.trainable_params(), ref_grads):
+        assert param.main_grad.dtype == ms.float32
+        np.testing.assert_allclose(param.main_grad.asnumpy(), 2 * want.asnumpy(), rtol=1e-6)
+    net.zero_grad()
+    assert all(p.main_grad is None for p in net.trainable_params())
+
+
+def test_param_reduce_api_keeps_the_gradient_alive():
+    """The upstream per-parameter calls, driven by hand: the gradient is never freed."""
+    net = fully_shard(TwoLayer(), pool_config=GradPoolConfig(poison_on_release=True))
+    managed: MindSporeHSDPParamV2 = net.trainable_params()[0].hsdp_param
+    grad = ms.Tensor(np.arange(20, dtype=np.float32).reshape(5, 4))
+    before = (grad.untyped_storage().size(), grad.asnumpy().copy())
+    assert managed.reduce_comm_dtype(grad) == ms.float32
+    managed.set_unsharded_grad(grad.to(ms.float32))          # the aliasing .to() of the seed
+    managed.reduce_scatter_grad(async_op=True, reduce_op="sum")
+    shard = managed.reduce_scatter_output()
+    np.testing.assert_array_equal(shard.asnumpy(), before[1])
+    managed.clear_reduce_scatter_output()
+    assert grad.untyped_storage().size() == before[0]
+    np.testing.assert_array_equal(grad.asnumpy(), before[1])
+    assert np.isnan(shard.asnumpy()).all(), "a released output is recycled (poisoned), not kept"
+
+
+def test_unshard_and_reshard_install_full_parameters():
+    net = fully_shard(TwoLayer())
+    net.unshard()
+    assert "w" in net.__dict__ and tuple(net.__dict__["w"].shape) == (5, 4)
+    net.reshard()
+    assert "w" not in net.__dict__
+
+
+def test_hsdp_sync_stream_is_a_noop_when_idle():
+    hsdp_sync_stream()
+
+
+# -- bad input --------------------------------------------------------------------------------
+@pytest.mark.parametrize("op", ["max", "mean", ""])
+def test_reduce_op_other_than_avg_or_sum(op):
+    net = fully_shard(TwoLayer())
+    with pytest.raises(InvalidArgumentError) as err:
+        net.set_reduce_op_type(op)
+    assert repr(op) in str(err.value) and "avg" in str(err.value)
+
+
+def test_mesh_size_must_equal_world_size():
+    with pytest.raises(InvalidArgumentError) as err:
+        fully_shard(TwoLayer(), mesh=DeviceMesh("cpu", (2,)))
+    assert "mesh covers 2 ranks but the world size is 1" in str(err.value)
+    with pytest.raises(InvalidArgumentError) as err:
+        init_device_mesh("cpu", (4,))
+    assert "covers 4 ranks but the job has 1" in str(err.value)
+    assert init_device_mesh("cpu", (1,)).size() == 1
+
+
+@pytest.mark.parametrize("field", ["param_dtype", "reduce_dtype"])
+@pytest.mark.parametrize("dtype", [ms.int32, ms.bool_])
+def test_non_floating_dtypes_are_refused(field, dtype):
+    with pytest.raises(InvalidArgumentError) as err:
+        fully_shard(TwoLayer(), mp_policy=MixedPrecisionPolicy(**{field: dtype}))
+    assert f"mp_policy.{field}" in str(err.value) and str(dtype) in str(err.value)
+
+
+def test_fully_shard_twice_on_one_module():
+    net = fully_shard(TwoLayer())
+    with pytest.raises(InvalidArgumentError) as err:
+        fully_shard(net)
+    assert "already applied" in str(err.value)
+
+
+def test_cpu_offload_is_refused_and_default_offload_accepted():
+    with pytest.raises(InvalidArgumentError) as err:
+        fully_shard(TwoLayer(), offload_policy=CPUOffloadPolicy())
+    assert "CPUOffloadPolicy is not supported" in str(err.value)
+    assert isinstance(fully_shard(TwoLayer(), offload_policy=OffloadPolicy()), HSDPModule)
