@@ -13,7 +13,8 @@ Lifetimes:
 * The **input** bucket is released right after launch, fenced on the collective's handle: the
   pool will not lease it again until the collective has completed, and nobody frees it.
 * With ``zero_copy`` the collective reads the caller's gradient in place; the result keeps a
-  reference to it (a *borrow*) until ``wait()`` returns, then drops it. It is never freed.
+  reference to it (a *borrow*) until ``wait()`` returns, then drops it (released before that,
+  the pool holds it with the fence until the collective completes). It is never freed.
 * The **output** bucket stays leased until ``result.release()``: the shard views returned by
   ``wait()`` are views of it and are valid until then. Releasing is the caller's job (hyper_parallel
   does it when the shard gradient has been consumed, see its param module).
@@ -84,18 +85,23 @@ class ReduceResult:
     rank: int = 0
     _shards: Optional[list] = None
     _released: bool = False
+    _error: Optional[BaseException] = None
 
     def is_completed(self) -> bool:
         return all(item.handle.is_completed() for item in self.launched)
 
     def wait(self) -> list[ms.Tensor]:
+        if self._error is not None:
+            # Every parameter of a fused result waits on it: each sees the collective's error.
+            raise self._error
         if self._released:
             raise LeaseStateError("this reduce result was released; its shard views are gone")
         if self._shards is None:
             try:
                 for item in self.launched:
                     item.handle.wait()
-            except BaseException:
+            except BaseException as exc:
+                self._error = exc
                 self.release()
                 raise
             shards: list = [None] * self.count
@@ -113,9 +119,30 @@ class ReduceResult:
             return
         self._released = True
         for item in self.launched:
+            fence = None if _done(item.handle) else item.handle
+            if fence is not None and item.bucket.borrowed is not None:
+                # Released before its collective completed (no wait(), or another bucket's wait()
+                # failed): the borrow must outlive the collective still reading the caller's
+                # gradient, so the pool holds it with the fence and drops it on recycle.
+                fence = _BorrowFence(fence, item.bucket.borrowed)
             item.bucket.borrowed = None
             if not item.output.released:
-                item.output.release(item.handle if not _done(item.handle) else None)
+                item.output.release(fence)
+
+
+class _BorrowFence:
+    """A collective's handle plus the borrowed gradient it reads; the pool keeps this fence (and so
+    the borrow) until the handle completes."""
+
+    def __init__(self, handle: CommHandle, borrowed: ms.Tensor):
+        self._handle = handle
+        self._borrowed = borrowed
+
+    def wait(self) -> None:
+        self._handle.wait()
+
+    def is_completed(self) -> bool:
+        return self._handle.is_completed()
 
 
 def _done(handle: CommHandle) -> bool:
@@ -198,6 +225,7 @@ class GradReducer:
                all_reduce: bool = False) -> ReduceResult:
         """Start the collective of every bucket and release the inputs fenced on it."""
         if op not in REDUCE_OPS:
+            self.discard(buckets)
             raise InvalidArgumentError(f"reduce op must be one of {REDUCE_OPS}, got {op!r}")
         total = count if count is not None else sum(len(b.indices) for b in buckets)
         result = ReduceResult(count=total, rank=self.comm.rank)

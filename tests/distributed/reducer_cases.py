@@ -1,0 +1,571 @@
+"""GradReducer cases, run on every rank of one msrun launch (tests/test_reducer_distributed.py)
+and, one case per test, in-process with world size 1 (tests/test_reducer.py).
+
+Usage: ``python -m gradpool.launch --nproc 2 tests/distributed/reducer_cases.py OUT_DIR [CASE ...]``.
+
+Every case is world-size agnostic: each rank builds every rank's gradients from a seed, so it
+computes the NumPy reference of the whole reduction itself (sum over ranks, ``avg`` divides by the
+world size; rank r's shard is chunk r of the shard dim padded up to a multiple of W, padding 0).
+Gradient values are multiples of 1/8 in [-8, 8): sums over a few ranks and micro-steps, and
+halves of them, are exact in float16 and bfloat16, so the references are exact in every dtype.
+
+Every case also checks the caller's side of the contract: after ``wait()`` (and after release,
+``wait_all`` and ``trim``) each gradient still has its full storage and its original bytes.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+
+import numpy as np
+
+import mindspore as ms
+
+from gradpool.comm import FaultInjectingCommunicator
+from gradpool.errors import CommError
+from gradpool.layout import ReduceScatterLayout
+from gradpool.pool import BucketPool, itemsize
+from gradpool.reducer import GradReducer, ReducerConfig
+from harness import Context, Suite, allclose, equal, raises
+
+suite = Suite("reducer")
+
+DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
+REDUCE_DTYPES = ("float32", "float16", "bfloat16")
+GRAD_DTYPES = ("float32", "bfloat16")
+OPS = ("sum", "avg")
+# Odd dim 0 (uneven shards for W=2), a 3-D gradient, two Shard(1)-style gradients (one with an odd
+# dim 1) and one (8, 4) that splits evenly.
+SHAPES = [(7, 3), (5,), (9, 2, 3), (4, 6), (3, 5), (8, 4)]
+SHARD_DIMS = [0, 0, 0, 1, 1, 0]
+# Bytes per fused bucket for the "several buckets" mode: 4 buckets in float32, 2 in 16-bit dtypes.
+SMALL_CAP_BYTES = 200
+SMALL_CAP_MIB = SMALL_CAP_BYTES / 2 ** 20
+MODES = ("pergrad", "fused", "fused_small_cap")
+DELAY = 0.5     # seconds a FaultInjectingCommunicator handle stays "in flight" (a wide margin
+                # over the few ms of local work the fence checks below rely on)
+
+
+# -- data and references ---------------------------------------------------------------------------
+def grad_values(rank: int, shapes, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(10_000 * seed + rank)
+    return [rng.integers(-64, 64, size=shape).astype(np.float64) / 8 for shape in shapes]
+
+
+def to_tensor(values: np.ndarray, dtype) -> ms.Tensor:
+    return ms.Tensor(values.astype(np.float32)).astype(dtype)
+
+
+def make_grads(ctx: Context, shapes, dtypes, seed: int) -> list[ms.Tensor]:
+    """This rank's gradients; ``dtypes`` is one dtype for all or one per gradient."""
+    if not isinstance(dtypes, (list, tuple)):
+        dtypes = [dtypes] * len(shapes)
+    return [to_tensor(v, d) for v, d in zip(grad_values(ctx.rank, shapes, seed), dtypes)]
+
+
+def reduced(ctx: Context, shapes, op: str, seeds) -> list[np.ndarray]:
+    """The reduction over ranks of the gradients of every seed in ``seeds`` (micro-steps add)."""
+    total = [np.zeros(shape) for shape in shapes]
+    for rank in range(ctx.world_size):
+        for seed in seeds:
+            for acc, values in zip(total, grad_values(rank, shapes, seed)):
+                acc += values
+    return [t / ctx.world_size for t in total] if op == "avg" else total
+
+
+def expected_shard(full: np.ndarray, dim: int, rank: int, world: int) -> np.ndarray:
+    """Rank ``rank``'s chunk of ``full`` along ``dim``, padded with zeros to ceil(d / W)."""
+    chunk = -(-full.shape[dim] // world)
+    widths = [(0, 0)] * full.ndim
+    widths[dim] = (0, chunk * world - full.shape[dim])
+    padded = np.pad(full, widths)
+    return np.take(padded, range(rank * chunk, (rank + 1) * chunk), axis=dim)
+
+
+def fingerprint(tensor: ms.Tensor) -> list:
+    """(storage bytes, sha256 of the tensor's bytes): what a caller's gradient must keep."""
+    raw = tensor.view(ms.int16) if tensor.dtype == ms.bfloat16 else tensor
+    return [tensor.untyped_storage().size(), hashlib.sha256(raw.asnumpy().tobytes()).hexdigest()]
+
+
+def storage_ptr(tensor: ms.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def has_nan(tensors) -> bool:
+    return any(bool(np.isnan(t.astype(ms.float32).asnumpy()).any()) for t in tensors)
+
+
+# -- shared checks -----------------------------------------------------------------------------------
+def shard_checks(ctx: Context, shards, shapes, dims, op: str, seeds, dtypes, prefix="") -> dict:
+    """One allclose per shard against the NumPy reference, plus each shard's dtype."""
+    if not isinstance(dtypes, (list, tuple)):
+        dtypes = [dtypes] * len(shapes)
+    checks = {f"{prefix}count": equal(len(shards), len(shapes))}
+    for i, (full, dim, dtype) in enumerate(zip(reduced(ctx, shapes, op, seeds), dims, dtypes)):
+        expected = expected_shard(full, dim, ctx.rank, ctx.world_size)
+        checks[f"{prefix}shard{i}_{shapes[i]}_dim{dim}"] = allclose(shards[i], expected, dtype)
+        checks[f"{prefix}shard{i}_dtype"] = equal(str(shards[i].dtype), str(dtype))
+    return checks
+
+
+def full_checks(ctx: Context, outputs, shapes, op: str, seeds, dtype, prefix="") -> dict:
+    """All-reduce results: whole gradients reduced over ranks."""
+    checks = {f"{prefix}count": equal(len(outputs), len(shapes))}
+    for i, full in enumerate(reduced(ctx, shapes, op, seeds)):
+        checks[f"{prefix}grad{i}_{shapes[i]}"] = allclose(outputs[i], full, dtype)
+        checks[f"{prefix}grad{i}_dtype"] = equal(str(outputs[i].dtype), str(dtype))
+    return checks
+
+
+def intact_checks(grads, before, when: str) -> dict:
+    return {f"grad{i}_storage_and_bytes_{when}": equal(fingerprint(g), fp)
+            for i, (g, fp) in enumerate(zip(grads, before))}
+
+
+def grouping_checks(buckets, grads, cap_bytes: float, reduce_dtype, expect_several: bool) -> dict:
+    """Fused buckets hold consecutive gradients, in order, each bucket within the cap unless it is
+    a single gradient, and greedy: the next bucket's first gradient would not have fit."""
+    def nbytes(i):
+        return grads[i].numel() * itemsize(reduce_dtype or grads[i].dtype)
+
+    groups = [list(b.indices) for b in buckets]
+    sizes = [sum(nbytes(i) for i in g) for g in groups]
+    within = all(size <= cap_bytes or len(g) == 1 for g, size in zip(groups, sizes))
+    greedy = all(size + nbytes(nxt[0]) > cap_bytes
+                 for size, nxt in zip(sizes, groups[1:]))
+    checks = {"buckets_in_order": equal(sum(groups, []), list(range(len(grads)))),
+              "buckets_within_cap": equal(within, True),
+              "buckets_greedy": equal(greedy, True)}
+    if expect_several:
+        checks["several_buckets"] = equal(1 < len(groups) < len(grads), True)
+    else:
+        checks["one_bucket"] = equal(len(groups), 1)
+    return checks
+
+
+def config_for(mode: str, reduce_dtype, zero_copy: bool = False) -> ReducerConfig:
+    return ReducerConfig(reduce_dtype=reduce_dtype, comm_fusion=mode != "pergrad",
+                         bucket_cap_mib=SMALL_CAP_MIB if mode == "fused_small_cap" else 25.0,
+                         zero_copy=zero_copy)
+
+
+def after_release_checks(pool: BucketPool, grads, before) -> dict:
+    """Release leaves no lease; wait_all + trim (which frees pool storage) never touch a grad."""
+    stats = pool.stats()
+    pool.wait_all()
+    pool.trim()
+    checks = {"no_live_leases_after_release": equal(stats.live_leases, 0)}
+    checks.update(intact_checks(grads, before, "after_release_and_trim"))
+    return checks
+
+
+# -- reduce-scatter against NumPy: op x reduce dtype x grad dtype x bucketing -------------------------
+def _reduce_scatter(op: str, reduce_name: str, grad_name: str, mode: str):
+    def case(ctx: Context) -> dict:
+        reduce_dtype, grad_dtype = DTYPES[reduce_name], DTYPES[grad_name]
+        pool = BucketPool(poison_on_release=True)
+        reducer = GradReducer(pool, ctx.comm, config_for(mode, reduce_dtype))
+        grads = make_grads(ctx, SHAPES, grad_dtype, seed=1)
+        before = [fingerprint(g) for g in grads]
+        buckets = reducer.pack(grads, SHARD_DIMS)
+        checks = {}
+        if mode == "pergrad":
+            checks["one_bucket_per_grad"] = equal(len(buckets), len(grads))
+        else:
+            cap = SMALL_CAP_BYTES if mode == "fused_small_cap" else 25 * 2 ** 20
+            checks.update(grouping_checks(buckets, grads, cap, reduce_dtype,
+                                          expect_several=mode == "fused_small_cap"))
+        result = reducer.launch(buckets, op=op)
+        shards = result.wait()
+        checks.update(shard_checks(ctx, shards, SHAPES, SHARD_DIMS, op, [1], reduce_dtype))
+        checks.update(intact_checks(grads, before, "after_wait"))
+        checks["live_leases_while_shards_held"] = equal(pool.stats().live_leases, len(buckets))
+        result.release()
+        checks.update(after_release_checks(pool, grads, before))
+        return checks
+    return case
+
+
+for _op in OPS:
+    for _rd in REDUCE_DTYPES:
+        for _gd in GRAD_DTYPES:
+            for _mode in MODES:
+                suite.add(f"reduce_scatter_{_op}_reduce_{_rd}_grad_{_gd}_{_mode}",
+                          _reduce_scatter(_op, _rd, _gd, _mode))
+
+
+def _reduce_scatter_mixed_grads(reduce_name, mode: str):
+    """float32 and bfloat16 gradients in one call; reduce_dtype None keeps each grad's dtype."""
+    def case(ctx: Context) -> dict:
+        reduce_dtype = DTYPES[reduce_name] if reduce_name else None
+        grad_dtypes = [ms.float32, ms.bfloat16] * (len(SHAPES) // 2)
+        pool = BucketPool(poison_on_release=True)
+        reducer = GradReducer(pool, ctx.comm, config_for(mode, reduce_dtype))
+        grads = make_grads(ctx, SHAPES, grad_dtypes, seed=2)
+        before = [fingerprint(g) for g in grads]
+        result = reducer.reduce_scatter(grads, SHARD_DIMS, op="avg")
+        shards = result.wait()
+        expected_dtypes = [reduce_dtype] * len(SHAPES) if reduce_dtype else grad_dtypes
+        checks = shard_checks(ctx, shards, SHAPES, SHARD_DIMS, "avg", [2], expected_dtypes)
+        checks.update(intact_checks(grads, before, "after_wait"))
+        if mode == "fused":   # one bucket per reduce dtype
+            checks["fused_buckets"] = equal(len(result.launched), 1 if reduce_dtype else 2)
+        result.release()
+        checks.update(after_release_checks(pool, grads, before))
+        return checks
+    return case
+
+
+for _rd in ("float32", None):
+    for _mode in ("pergrad", "fused"):
+        suite.add(f"reduce_scatter_mixed_grad_dtypes_reduce_{_rd or 'own'}_{_mode}",
+                  _reduce_scatter_mixed_grads(_rd, _mode))
+
+
+# -- all_reduce (replicated gradients) --------------------------------------------------------------
+def _all_reduce(op: str, reduce_name: str, grad_name: str, mode: str):
+    def case(ctx: Context) -> dict:
+        reduce_dtype, grad_dtype = DTYPES[reduce_name], DTYPES[grad_name]
+        pool = BucketPool(poison_on_release=True)
+        reducer = GradReducer(pool, ctx.comm, config_for(mode, reduce_dtype))
+        grads = make_grads(ctx, SHAPES, grad_dtype, seed=3)
+        before = [fingerprint(g) for g in grads]
+        result = reducer.all_reduce(grads, op=op)
+        outputs = result.wait()
+        checks = full_checks(ctx, outputs, SHAPES, op, [3], reduce_dtype)
+        checks.update(intact_checks(grads, before, "after_wait"))
+        result.release()
+        checks.update(after_release_checks(pool, grads, before))
+        return checks
+    return case
+
+
+for _op in OPS:
+    for _rd in REDUCE_DTYPES:
+        for _mode in ("pergrad", "fused"):
+            suite.add(f"all_reduce_{_op}_reduce_{_rd}_grad_float32_{_mode}",
+                      _all_reduce(_op, _rd, "float32", _mode))
+    suite.add(f"all_reduce_{_op}_reduce_float32_grad_bfloat16_fused",
+              _all_reduce(_op, "float32", "bfloat16", "fused"))
+
+
+# -- gradient accumulation: pack micro-step 1, accumulate micro-step 2, launch ------------------------
+def _accumulate(op: str, reduce_name: str, grad_name: str, mode: str, all_reduce: bool = False):
+    def case(ctx: Context) -> dict:
+        reduce_dtype, grad_dtype = DTYPES[reduce_name], DTYPES[grad_name]
+        pool = BucketPool(poison_on_release=True)
+        reducer = GradReducer(pool, ctx.comm, config_for(mode, reduce_dtype))
+        step1 = make_grads(ctx, SHAPES, grad_dtype, seed=4)
+        step2 = make_grads(ctx, SHAPES, grad_dtype, seed=5)
+        before = [fingerprint(g) for g in step1 + step2]
+        if all_reduce:
+            buckets = reducer.pack(step1, world_size=1, allow_borrow=False)
+        else:
+            buckets = reducer.pack(step1, SHARD_DIMS, allow_borrow=False)
+        reducer.accumulate(buckets, step2)
+        result = reducer.launch(buckets, op=op, all_reduce=all_reduce)
+        outputs = result.wait()
+        if all_reduce:
+            checks = full_checks(ctx, outputs, SHAPES, op, [4, 5], reduce_dtype)
+        else:
+            checks = shard_checks(ctx, outputs, SHAPES, SHARD_DIMS, op, [4, 5], reduce_dtype)
+        checks.update(intact_checks(step1 + step2, before, "after_wait"))
+        result.release()
+        checks.update(after_release_checks(pool, step1 + step2, before))
+        return checks
+    return case
+
+
+for _op in OPS:
+    for _rd in REDUCE_DTYPES:
+        suite.add(f"accumulate_{_op}_reduce_{_rd}_grad_float32_fused_small_cap",
+                  _accumulate(_op, _rd, "float32", "fused_small_cap"))
+    suite.add(f"accumulate_{_op}_reduce_float32_grad_bfloat16_pergrad",
+              _accumulate(_op, "float32", "bfloat16", "pergrad"))
+    suite.add(f"accumulate_{_op}_reduce_bfloat16_grad_bfloat16_fused",
+              _accumulate(_op, "bfloat16", "bfloat16", "fused"))
+    suite.add(f"accumulate_all_reduce_{_op}_reduce_float32_grad_float32_fused",
+              _accumulate(_op, "float32", "float32", "fused", all_reduce=True))
+
+
+# -- zero-copy ---------------------------------------------------------------------------------------
+IDENTITY_SHAPE = (8, 4)
+ZC_ALIGN_BYTES = 64      # 16 float32 elements: an (8, 4) float32 chunk fills whole rows for W<=2
+
+
+def _is_identity(pool: BucketPool, shape, world: int, dtype) -> bool:
+    return ReduceScatterLayout.build([shape], world, pool.alignment_elements(dtype)).is_identity()
+
+
+def _bucket_bytes(pool: BucketPool, shape, dim: int, world: int, dtype) -> int:
+    """What packing this gradient alone copies into the pool: its whole input bucket."""
+    layout = ReduceScatterLayout.build([shape], world, pool.alignment_elements(dtype), [dim])
+    return layout.total_numel * itemsize(dtype)
+
+
+@suite.case
+def zero_copy_borrows_identity_layout(ctx: Context) -> dict:
+    """(8, 4) float32 reduced in float32, alignment met: the collective reads the gradient in place
+    (no bytes copied, only the output bucket allocated); then (7, 3) in the same call cannot be
+    borrowed and is copied, and exactly its bucket's bytes are counted."""
+    pool = BucketPool(alignment_bytes=ZC_ALIGN_BYTES, poison_on_release=True)
+    reducer = GradReducer(pool, ctx.comm, ReducerConfig(reduce_dtype=ms.float32, zero_copy=True))
+    shapes, dims = [IDENTITY_SHAPE, (7, 3)], [0, 0]
+    precondition = _is_identity(pool, IDENTITY_SHAPE, ctx.world_size, ms.float32)
+    grads = make_grads(ctx, shapes, ms.float32, seed=6)
+    before = [fingerprint(g) for g in grads]
+    start = pool.stats()
+    borrowed = reducer.launch(reducer.pack(grads[:1], dims[:1]), op="sum")
+    after_borrow = pool.stats()
+    copied = reducer.launch(reducer.pack(grads[1:], dims[1:]), op="sum")
+    after_copy = pool.stats()
+    shards = borrowed.wait() + copied.wait()
+    checks = {
+        "identity_layout_precondition": equal(precondition, True),
+        "borrow_copied_no_bytes": equal(after_borrow.bytes_copied - start.bytes_copied, 0),
+        "borrow_allocated_output_only": equal(
+            after_borrow.new_allocations - start.new_allocations, 1),
+        "non_identity_copied_its_bucket": equal(
+            after_copy.bytes_copied - after_borrow.bytes_copied,
+            _bucket_bytes(pool, (7, 3), 0, ctx.world_size, ms.float32)),
+        "borrow_dropped_after_wait": equal(
+            [b.bucket.borrowed is None for b in borrowed.launched], [True]),
+    }
+    checks.update(shard_checks(ctx, shards, shapes, dims, "sum", [6], ms.float32))
+    checks.update(intact_checks(grads, before, "after_wait"))
+    borrowed.release()
+    copied.release()
+    checks.update(after_release_checks(pool, grads, before))
+    return checks
+
+
+def _zero_copy_must_copy(why: str, shape, grad_dtype, reduce_dtype, align_bytes: int,
+                         fusion: bool = False, count: int = 1):
+    def case(ctx: Context) -> dict:
+        pool = BucketPool(alignment_bytes=align_bytes, poison_on_release=True)
+        reducer = GradReducer(pool, ctx.comm, ReducerConfig(
+            reduce_dtype=reduce_dtype, zero_copy=True, comm_fusion=fusion))
+        shapes, dims = [shape] * count, [0] * count
+        grads = make_grads(ctx, shapes, grad_dtype, seed=7)
+        before = [fingerprint(g) for g in grads]
+        start = pool.stats()
+        result = reducer.reduce_scatter(grads, dims, op="avg")
+        copied = pool.stats().bytes_copied - start.bytes_copied
+        layout = ReduceScatterLayout.build(shapes, ctx.world_size,
+                                           pool.alignment_elements(reduce_dtype), dims)
+        checks = {"copied_whole_bucket": equal(copied, layout.total_numel * itemsize(reduce_dtype)),
+                  "copied_nonzero": equal(copied > 0, True),
+                  "no_borrow": equal([b.bucket.borrowed is None and b.bucket.lease is not None
+                                      for b in result.launched], [True] * len(result.launched))}
+        checks.update(shard_checks(ctx, result.wait(), shapes, dims, "avg", [7], reduce_dtype))
+        checks.update(intact_checks(grads, before, "after_wait"))
+        result.release()
+        checks.update(after_release_checks(pool, grads, before))
+        return checks
+    case.__doc__ = f"zero_copy=True still copies when {why}"
+    return case
+
+
+def _zero_copy_every_shape(op: str, mode: str):
+    """zero_copy=True over the standard gradients: per gradient only (8, 4) is borrowed and every
+    other gradient's bucket is copied; fused buckets are always copied. Results match NumPy."""
+    def case(ctx: Context) -> dict:
+        pool = BucketPool(alignment_bytes=ZC_ALIGN_BYTES, poison_on_release=True)
+        reducer = GradReducer(pool, ctx.comm, config_for(mode, ms.float32, zero_copy=True))
+        grads = make_grads(ctx, SHAPES, ms.float32, seed=13)
+        before = [fingerprint(g) for g in grads]
+        start = pool.stats().bytes_copied
+        result = reducer.reduce_scatter(grads, SHARD_DIMS, op=op)
+        copied = pool.stats().bytes_copied - start
+        if mode == "pergrad":
+            borrowable = [_is_identity(pool, shape, ctx.world_size, ms.float32) and dim == 0
+                          for shape, dim in zip(SHAPES, SHARD_DIMS)]
+            expected = sum(_bucket_bytes(pool, shape, dim, ctx.world_size, ms.float32)
+                           for shape, dim, b in zip(SHAPES, SHARD_DIMS, borrowable) if not b)
+            checks = {"only_identity_borrowed": equal(
+                          [item.bucket.lease is None for item in result.launched], borrowable),
+                      "exactly_one_borrowable": equal(sum(borrowable), 1)}
+        else:
+            layout = ReduceScatterLayout.build(SHAPES, ctx.world_size,
+                                               pool.alignment_elements(ms.float32), SHARD_DIMS)
+            expected = layout.total_numel * itemsize(ms.float32)
+            checks = {"fused_bucket_copied": equal(
+                [item.bucket.lease is not None for item in result.launched], [True])}
+        checks["bytes_copied"] = equal(copied, expected)
+        checks.update(shard_checks(ctx, result.wait(), SHAPES, SHARD_DIMS, op, [13], ms.float32))
+        checks.update(intact_checks(grads, before, "after_wait"))
+        result.release()
+        checks.update(after_release_checks(pool, grads, before))
+        return checks
+    return case
+
+
+for _op in OPS:
+    for _mode in ("pergrad", "fused"):
+        suite.add(f"zero_copy_{_op}_all_shapes_{_mode}", _zero_copy_every_shape(_op, _mode))
+
+suite.add("zero_copy_copies_uneven_dim0",
+          _zero_copy_must_copy("dim 0 is odd (padding)", (7, 3), ms.float32, ms.float32,
+                               ZC_ALIGN_BYTES))
+suite.add("zero_copy_copies_when_alignment_pads",
+          _zero_copy_must_copy("the chunk is not a multiple of the alignment", IDENTITY_SHAPE,
+                               ms.float32, ms.float32, 512))
+suite.add("zero_copy_copies_when_reduce_dtype_differs",
+          _zero_copy_must_copy("the reduce dtype is not the gradient's", IDENTITY_SHAPE,
+                               ms.float32, ms.float16, ZC_ALIGN_BYTES))
+suite.add("zero_copy_copies_fused_buckets",
+          _zero_copy_must_copy("several gradients share a bucket", IDENTITY_SHAPE, ms.float32,
+                               ms.float32, ZC_ALIGN_BYTES, fusion=True, count=2))
+
+
+# -- fences: a bucket whose collective has not completed is never leased again ----------------------
+def _fused_reducer(ctx: Context, pool: BucketPool, comm) -> GradReducer:
+    return GradReducer(pool, comm, ReducerConfig(reduce_dtype=ms.float32, comm_fusion=True))
+
+
+@suite.case
+def in_flight_second_reduce_gets_another_bucket(ctx: Context) -> dict:
+    """While the first reduction's collective is in flight (its handle not completed), a second
+    one's pack gets a new input bucket, never the fenced one; after completion all recycle."""
+    faulty = FaultInjectingCommunicator(ctx.comm, delay_seconds=DELAY)
+    pool = BucketPool(poison_on_release=True)
+    reducer = _fused_reducer(ctx, pool, faulty)
+    g1 = make_grads(ctx, SHAPES, ms.float32, seed=8)
+    g2 = make_grads(ctx, SHAPES, ms.float32, seed=9)
+    before = [fingerprint(g) for g in g1 + g2]
+    b1 = reducer.pack(g1, SHARD_DIMS)
+    in1 = storage_ptr(b1[0].lease.tensor)
+    r1 = reducer.launch(b1, op="sum")
+    s1 = pool.stats()
+    first_pending = not r1.is_completed()
+    b2 = reducer.pack(g2, SHARD_DIMS)
+    in2 = storage_ptr(b2[0].lease.tensor)
+    s2 = pool.stats()
+    r2 = reducer.launch(b2, op="sum")
+    out1, out2 = (storage_ptr(r.launched[0].output.tensor) for r in (r1, r2))
+    shards1, shards2 = r1.wait(), r2.wait()
+    checks = {
+        "first_pending_when_second_packed": equal(first_pending, True),
+        "first_input_fenced": equal(s2.fenced_buckets, 1),
+        "second_input_new_allocation": equal(s2.new_allocations - s1.new_allocations, 1),
+        # in2 != in1: the fenced input is not re-leased; out1 is live, so nobody else gets it.
+        "second_input_not_first_input": equal(in2 != in1, True),
+        "live_output_never_leased": equal(len({in1, in2, out1}) == 3 and out2 != out1, True),
+        "no_nan": equal(has_nan(shards1 + shards2), False),
+    }
+    checks.update(shard_checks(ctx, shards1, SHAPES, SHARD_DIMS, "sum", [8], ms.float32, "r1_"))
+    checks.update(shard_checks(ctx, shards2, SHAPES, SHARD_DIMS, "sum", [9], ms.float32, "r2_"))
+    r1.release()
+    r2.release()
+    # Completed fences recycle (poisoned): a third reduce reuses them and is still right.
+    s3 = pool.stats()
+    r3 = reducer.reduce_scatter(g1, SHARD_DIMS, op="sum")
+    shards3 = r3.wait()
+    s4 = pool.stats()
+    checks["recycled_after_completion"] = equal(
+        [s3.fenced_buckets, s3.free_buckets, s4.new_allocations - s3.new_allocations],
+        [0, s3.new_allocations, 0])
+    checks.update(shard_checks(ctx, shards3, SHAPES, SHARD_DIMS, "sum", [8], ms.float32, "r3_"))
+    r3.release()
+    checks.update(intact_checks(g1 + g2, before, "after_wait"))
+    checks.update(after_release_checks(pool, g1 + g2, before))
+    return checks
+
+
+@suite.case
+def in_flight_cap_one_waits_and_counts_stall(ctx: Context) -> dict:
+    """max_buckets_in_flight=1: the second pack waits for the first input's fence (a stall), then
+    reuses that bucket; the first result's output bucket (still leased) is never handed out."""
+    faulty = FaultInjectingCommunicator(ctx.comm, delay_seconds=DELAY)
+    pool = BucketPool(poison_on_release=True, max_buckets_in_flight=1)
+    reducer = _fused_reducer(ctx, pool, faulty)
+    g1 = make_grads(ctx, SHAPES, ms.float32, seed=10)
+    g2 = make_grads(ctx, SHAPES, ms.float32, seed=11)
+    before = [fingerprint(g) for g in g1 + g2]
+    b1 = reducer.pack(g1, SHARD_DIMS)
+    in1 = storage_ptr(b1[0].lease.tensor)
+    r1 = reducer.launch(b1, op="avg")
+    s1 = pool.stats()
+    first_pending = not r1.is_completed()
+    start = time.perf_counter()
+    b2 = reducer.pack(g2, SHARD_DIMS)
+    waited = time.perf_counter() - start
+    in2 = storage_ptr(b2[0].lease.tensor)
+    s2 = pool.stats()
+    r2 = reducer.launch(b2, op="avg")
+    out1, out2 = (storage_ptr(r.launched[0].output.tensor) for r in (r1, r2))
+    shards1, shards2 = r1.wait(), r2.wait()
+    checks = {
+        "first_pending_before_second_pack": equal(first_pending, True),
+        "stall_counted": equal(s2.stalls - s1.stalls >= 1, True),
+        "stall_seconds_positive": equal(s2.stall_seconds - s1.stall_seconds > 0, True),
+        "pack_really_waited": equal(waited >= 0.5 * DELAY, True),
+        "no_new_input_bucket": equal(s2.new_allocations, s1.new_allocations),
+        "input_bucket_reused_after_fence": equal(in2, in1),
+        "live_output_never_leased": equal(len({in2, out1, out2}), 3),
+        "no_nan": equal(has_nan(shards1 + shards2), False),
+    }
+    checks.update(shard_checks(ctx, shards1, SHAPES, SHARD_DIMS, "avg", [10], ms.float32, "r1_"))
+    checks.update(shard_checks(ctx, shards2, SHAPES, SHARD_DIMS, "avg", [11], ms.float32, "r2_"))
+    r1.release()
+    r2.release()
+    checks.update(intact_checks(g1 + g2, before, "after_wait"))
+    checks.update(after_release_checks(pool, g1 + g2, before))
+    return checks
+
+
+# -- wait() raising -----------------------------------------------------------------------------------
+def _fail_wait(error, all_reduce: bool):
+    def case(ctx: Context) -> dict:
+        faulty = FaultInjectingCommunicator(ctx.comm, delay_seconds=0.05, fail_wait=error)
+        pool = BucketPool(poison_on_release=True)
+        # per gradient: several collectives in one result, the first one's wait raises
+        reducer = GradReducer(pool, faulty, ReducerConfig(reduce_dtype=ms.float32))
+        grads = make_grads(ctx, SHAPES, ms.float32, seed=12)
+        before = [fingerprint(g) for g in grads]
+
+        def reduce(op):
+            if all_reduce:
+                return reducer.all_reduce(grads, op=op)
+            return reducer.reduce_scatter(grads, SHARD_DIMS, op=op)
+
+        failing = reduce("sum")
+        expected_type = CommError if error is True else type(error)
+        expected_text = "injected failure" if error is True else str(error)
+        checks = {"wait_raises_to_caller": raises(expected_type, failing.wait, expected_text)}
+        after_fail = pool.stats()
+        checks["no_live_lease_after_failure"] = equal(after_fail.live_leases, 0)
+        failing.release()          # already released by the failed wait(): a no-op
+        pool.wait_all()
+        recycled = pool.stats()
+        checks["fenced_buckets_recycle"] = equal(
+            [recycled.fenced_buckets, recycled.live_leases, recycled.free_buckets],
+            [0, 0, recycled.new_allocations])
+        faulty.fail_wait = None    # the fault clears: the same pool and reducer work again
+        retry = reduce("avg")
+        outputs = retry.wait()
+        if all_reduce:
+            checks.update(full_checks(ctx, outputs, SHAPES, "avg", [12], ms.float32))
+        else:
+            checks.update(shard_checks(ctx, outputs, SHAPES, SHARD_DIMS, "avg", [12], ms.float32))
+        # Every retry input (one per gradient) fits a recycled input bucket of the failed run.
+        checks["retry_reused_recycled_buckets"] = equal(
+            pool.stats().reuses - recycled.reuses >= len(SHAPES), True)
+        checks["no_nan"] = equal(has_nan(outputs), False)
+        retry.release()
+        checks.update(intact_checks(grads, before, "after_failure_and_retry"))
+        checks.update(after_release_checks(pool, grads, before))
+        return checks
+    return case
+
+
+suite.add("fail_wait_reduce_scatter_comm_error", _fail_wait(True, all_reduce=False))
+suite.add("fail_wait_reduce_scatter_custom_exception",
+          _fail_wait(RuntimeError("rank link down 4711"), all_reduce=False))
+suite.add("fail_wait_all_reduce_comm_error", _fail_wait(True, all_reduce=True))
+
+
+if __name__ == "__main__":
+    suite.main()
