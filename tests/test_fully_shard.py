@@ -160,3 +160,29 @@ def test_cpu_offload_is_refused_and_default_offload_accepted():
         fully_shard(TwoLayer(), offload_policy=CPUOffloadPolicy())
     assert "CPUOffloadPolicy is not supported" in str(err.value)
     assert isinstance(fully_shard(TwoLayer(), offload_policy=OffloadPolicy()), HSDPModule)
+
+
+def test_param_dtype_computes_in_bfloat16_and_output_dtype_casts_outputs():
+    seen = {}
+
+    class Scale(nn.Cell):
+        """Elementwise only: MindSpore's CPU MatMul has no bfloat16 kernel."""
+
+        def __init__(self):
+            super().__init__()
+            values = np.arange(1, 21, dtype=np.float32).reshape(5, 4) / 8
+            self.w = Parameter(ms.Tensor(values), name="w")
+
+        def construct(self, x):
+            seen["weight"], seen["input"] = self.w.dtype, x.dtype
+            return mint.mul(x, self.w)
+
+    x = ms.Tensor(np.full((5, 4), 0.5, np.float32))
+    _, ref_grads = _loss_and_grads(Scale(), x)
+    net = fully_shard(Scale(), mp_policy=MixedPrecisionPolicy(
+        param_dtype=ms.bfloat16, reduce_dtype=ms.float32, output_dtype=ms.float16))
+    assert net(x).dtype == ms.float16
+    assert seen == {"weight": ms.bfloat16, "input": ms.bfloat16}
+    _, grads = _loss_and_grads(net, x)
+    assert grads[0].dtype == ms.float32                      # the shard parameter's dtype
+    np.testing.assert_allclose(grads[0].asnumpy(), ref_grads[0].asnumpy(), rtol=1e-2)
