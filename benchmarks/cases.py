@@ -110,3 +110,84 @@ def make_small_op() -> Callable[[], None]:
             mint.add(x, x)
         synchronize()
     return run
+
+
+# -- reduce step: the whole reduce path for the test model's gradients ------------------------
+REDUCE_METHODS = ("pool", "zero_copy")
+# The pool copies into buckets aligned the shipped way (512 bytes, Ascend's rule); zero-copy uses
+# 4-byte alignment, so every gradient whose dim 0 divides evenly by the world size has an
+# identity layout and is borrowed in place instead of copied.
+REDUCE_ALIGNMENT_BYTES = {"pool": 512, "zero_copy": 4}
+
+
+@dataclass(frozen=True)
+class ReduceCase:
+    """One reduce step (pack or borrow -> reduce-scatter -> fence -> shard views -> recycle)
+    over every gradient of the tiny DeepSeek-V3 model (default ModelConfig, float32)."""
+
+    method: str            # "pool" (copy into pool buckets) or "zero_copy" (borrow where possible)
+    comm_fusion: bool      # one fused bucket for all gradients, or one reduce-scatter each
+    world_size: int
+
+    @property
+    def alignment_bytes(self) -> int:
+        return REDUCE_ALIGNMENT_BYTES[self.method]
+
+    @property
+    def name(self) -> str:
+        fusion = "fused" if self.comm_fusion else "per-grad"
+        return f"reduce-{self.method}-{fusion}-w{self.world_size}"
+
+
+def reduce_cases(world_size: int = 1) -> list[ReduceCase]:
+    return [ReduceCase(m, f, world_size) for f in (False, True) for m in REDUCE_METHODS]
+
+
+def model_grad_shapes(model_config=None) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every trainable parameter of TinyDeepSeekV3 (default ModelConfig)."""
+    from gradpool.app.model import TinyDeepSeekV3
+    from gradpool.config import ModelConfig
+    model = TinyDeepSeekV3(model_config or ModelConfig())
+    return [(p.name, tuple(p.shape)) for p in model.trainable_params()]
+
+
+def make_reduce_step(case: ReduceCase, comm, shapes=None) -> Callable[[], None]:
+    """A callable running one whole reduce step of ``case`` over ``comm`` (whose world size must
+    be ``case.world_size``). ``run.pool`` and ``run.reducer`` expose the pool statistics and the
+    number of borrowed gradients. Every rank of ``comm`` must call it the same number of times."""
+    import mindspore as ms
+
+    from gradpool.device import device_target, synchronize
+    from gradpool.errors import InvalidArgumentError
+    from gradpool.pool import BucketPool
+    from gradpool.reducer import GradReducer, ReducerConfig
+
+    if comm.world_size != case.world_size:
+        raise InvalidArgumentError(f"{case.name} needs world size {case.world_size}, the "
+                                   f"communicator has {comm.world_size}")
+    shapes = [s for _, s in model_grad_shapes()] if shapes is None else list(shapes)
+    rng = np.random.default_rng([7, comm.rank])
+    grads = [ms.Tensor(rng.standard_normal(shape).astype(np.float32)) for shape in shapes]
+    device = device_target()
+    # timed_copies as the fully_shard runtime sets it (off on Ascend to keep copies overlapped).
+    pool = BucketPool(device=device, alignment_bytes=case.alignment_bytes,
+                      timed_copies=device != "Ascend")
+    reducer = GradReducer(pool, comm, ReducerConfig(
+        reduce_dtype=ms.float32, comm_fusion=case.comm_fusion,
+        zero_copy=case.method == "zero_copy"))
+
+    def run():
+        if case.comm_fusion:
+            results = [reducer.reduce_scatter(grads)]
+        else:   # what fully_shard does without fusion: one collective per gradient
+            results = [reducer.reduce_scatter([grad]) for grad in grads]
+        for result in results:
+            result.wait()
+        synchronize()
+        for result in results:
+            result.release()
+    run.pool = pool
+    run.reducer = reducer
+    run.gradients = len(grads)
+    run.grad_bytes = sum(int(np.prod(s)) * 4 for s in shapes)
+    return run

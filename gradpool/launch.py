@@ -93,11 +93,13 @@ class LaunchResult:
 
 
 def run_ranks(script, args: Sequence[str] = (), nproc: int = 2, log_dir=None,
-              timeout: float = 600, env: Optional[Mapping[str, str]] = None) -> LaunchResult:
+              timeout: float = 600, env: Optional[Mapping[str, str]] = None,
+              master_port: Optional[int] = None) -> LaunchResult:
     """Run ``script args...`` on ``nproc`` local ranks under msrun and wait for all of them.
 
     ``log_dir`` (a new temp dir when None, kept afterwards) receives ``worker_<rank>.log``,
     ``scheduler.log`` and ``msrun.log``. ``env`` is added to this process's environment.
+    ``master_port`` is msrun's scheduler port; None picks a free one.
     Raises :class:`LaunchError` (with ``.result``) when a rank or msrun fails or ``timeout``
     seconds pass; the message names the failing rank, its exit code and its log tail."""
     script = Path(script).resolve()
@@ -111,7 +113,7 @@ def run_ranks(script, args: Sequence[str] = (), nproc: int = 2, log_dir=None,
         tempfile.mkdtemp(prefix="gradpool-msrun-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     command = (*msrun_command(), f"--worker_num={nproc}", f"--local_worker_num={nproc}",
-               f"--master_port={free_port()}", f"--log_dir={log_dir}", "--join=True",
+               f"--master_port={master_port or free_port()}", f"--log_dir={log_dir}", "--join=True",
                "python", "-m", _rank_entry.__name__, str(script), *map(str, args))
     result = _run(command, log_dir, nproc, timeout, _worker_env(env))
     if not result.ok:

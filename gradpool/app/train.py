@@ -105,7 +105,8 @@ def train_sharded(cfg: RunConfig, model, comm, pool,
         after = pool.stats()
         record = _record(step, mean_loss, time.perf_counter() - start, before, after)
         if not math.isfinite(record.loss):
-            raise NonFiniteLossError(f"step {step}: loss is {record.loss}")
+            raise NonFiniteLossError(f"step {step + 1} of {cfg.train.steps}: loss is {record.loss} "
+                                     "(mean over ranks)")
         records.append(record)
         if on_step is not None:
             on_step(record)

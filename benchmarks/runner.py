@@ -1,0 +1,216 @@
+"""``python -m benchmarks run``: time the copy-in cases and the reduce step, write one JSON.
+
+    python -m benchmarks run --device CPU --nproc 2 --out results.json [--quick]
+
+Where each suite runs:
+
+* started normally: ``copy`` and ``reduce-local`` (world size 1, SingleProcessCommunicator) run in
+  this process; with ``--nproc N > 1`` the runner then starts itself on N ranks under msrun
+  (``gradpool.launch.run_ranks``) for ``reduce-dist`` only, so the copy timings never share the
+  machine with other ranks; rank 0 hands its rows back through a JSON file.
+* started by msrun (``gradpool.comm.launched_by_msrun()``; e.g. ``msrun --worker_num=8 ...
+  python -m benchmarks run --device Ascend --nproc 8 --out r.json`` on Ascend 910B): every rank
+  runs every suite asked for on its own device (``reduce-dist`` over HCCL or MCCL through
+  ``communicator_for``) and rank 0 writes the JSON.
+
+The JSON holds the machine (CPU model, cores, MindSpore / NumPy versions, device), the command,
+the raw timings and the derived ratios (:func:`benchmarks.report.summarize`).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import shlex
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+SUITES = ("copy", "reduce-local", "reduce-dist")
+SCHEMA = 1
+
+
+class BenchmarkError(RuntimeError):
+    """The benchmark could not run (a rank failed, an option is impossible)."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    device: str = "CPU"
+    nproc: int = 1
+    out: Path = Path("bench-results.json")
+    quick: bool = False
+    suites: tuple = SUITES
+    progress: bool = True
+    timeout: float = 3600.0
+    command: Optional[str] = None       # recorded in the JSON; defaults to this process's argv
+
+    def __post_init__(self):
+        if self.device not in ("CPU", "Ascend"):
+            raise BenchmarkError(f"device must be 'CPU' or 'Ascend', got {self.device!r}")
+        if not isinstance(self.nproc, int) or self.nproc < 1:
+            raise BenchmarkError(f"nproc must be an integer >= 1, got {self.nproc!r}")
+        unknown = set(self.suites) - set(SUITES)
+        if unknown or not self.suites:
+            raise BenchmarkError(f"suites must be a non-empty subset of {', '.join(SUITES)}; "
+                                 f"got {', '.join(self.suites) or 'none'}")
+
+    @property
+    def settings(self):
+        from benchmarks.suites import FULL, QUICK
+        return QUICK if self.quick else FULL
+
+
+def run(options: RunOptions) -> Optional[dict]:
+    """Run the suites; returns the results written to ``options.out`` (None on ranks > 0)."""
+    import mindspore as ms
+    from gradpool.comm import launched_by_msrun
+
+    ms.set_device(options.device)
+    if launched_by_msrun():
+        return _run_as_rank(options)
+    results = _new_results(options, world_size=1)
+    _run_local_suites(results, options)
+    if "reduce-dist" in options.suites and options.nproc > 1:
+        results["reduce"] += _launch_ranks(options)
+    _finish(results, options.out)
+    return results
+
+
+# -- in this process -------------------------------------------------------------------------
+def _run_local_suites(results: dict, options: RunOptions, show: bool = True) -> None:
+    from benchmarks.suites import run_copy_suite, run_reduce_suite
+    from gradpool.comm import SingleProcessCommunicator
+
+    show = show and options.progress
+    if "copy" in options.suites:
+        results["copy"] = run_copy_suite(options.settings, show)
+    if "reduce-local" in options.suites:
+        results["reduce"] += run_reduce_suite(SingleProcessCommunicator(), options.settings, show)
+
+
+def _launch_ranks(options: RunOptions) -> list:
+    """Run ``reduce-dist`` on ``options.nproc`` ranks under msrun; rank 0's reduce rows."""
+    from gradpool.errors import LaunchError
+    from gradpool.launch import run_ranks
+
+    work = Path(tempfile.mkdtemp(prefix="gradpool-bench-"))
+    part = work / "ranks.json"
+    args = ["run", "--device", options.device, "--nproc", str(options.nproc), "--out", str(part),
+            "--suites", "reduce-dist", "--no-progress"] + (["--quick"] if options.quick else [])
+    logger.info("starting %d ranks under msrun (logs in %s)", options.nproc, work)
+    try:
+        run_ranks(Path(__file__).with_name("__main__.py"), args, nproc=options.nproc,
+                  log_dir=work, timeout=options.timeout)
+    except LaunchError as exc:
+        raise BenchmarkError(f"the {options.nproc}-rank reduce suite failed: {exc}") from None
+    return json.loads(part.read_text(encoding="utf-8"))["reduce"]
+
+
+# -- as one of msrun's ranks -------------------------------------------------------------------
+def _run_as_rank(options: RunOptions) -> Optional[dict]:
+    from benchmarks.suites import run_reduce_suite
+    from gradpool.comm import communicator_for, init_distributed
+
+    rank, world = init_distributed()     # msrun's scheduler process never returns from this
+    if world != options.nproc:
+        logger.warning("--nproc %d ignored: msrun started %d ranks", options.nproc, world)
+    results = _new_results(options, world_size=world)
+    results["machine"]["copy_suite_concurrent_ranks"] = world if "copy" in options.suites else 0
+    _run_local_suites(results, options, show=rank == 0)
+    if "reduce-dist" in options.suites and world > 1:
+        comm = communicator_for(options.device)
+        results["reduce"] += run_reduce_suite(comm, options.settings,
+                                              options.progress and rank == 0)
+    if rank != 0:
+        return None
+    _finish(results, options.out)
+    return results
+
+
+# -- results -----------------------------------------------------------------------------------
+def machine_info(device: str, world_size: int) -> dict:
+    import mindspore as ms
+    import numpy as np
+    return {"cpu_model": _cpu_model(), "cores": os.cpu_count(), "machine": platform.machine(),
+            "platform": platform.platform(), "python": platform.python_version(),
+            "mindspore": ms.__version__, "numpy": np.__version__, "device": device,
+            "world_size": world_size}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.lower().startswith(("model name", "hardware", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _new_results(options: RunOptions, world_size: int) -> dict:
+    command = options.command or shlex.join(sys.argv)
+    return {"schema": SCHEMA,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": command, "machine": machine_info(options.device, world_size),
+            "options": {"device": options.device, "nproc": options.nproc, "quick": options.quick,
+                        "suites": list(options.suites), **options.settings.to_dict()},
+            "copy": None, "reduce": []}
+
+
+def _finish(results: dict, out: Path) -> None:
+    from benchmarks.report import summarize
+    results["summary"] = summarize(results)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(results, indent=2), encoding="utf-8")
+    tmp.replace(out)
+    logger.info("wrote %s", out)
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="CPU", choices=("CPU", "Ascend"))
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="ranks of the distributed reduce suite (msrun); 1: none")
+    parser.add_argument("--out", default="bench-results.json", help="results JSON")
+    parser.add_argument("--quick", action="store_true", help="small sweep (smoke run)")
+    parser.add_argument("--suites", default=",".join(SUITES),
+                        help=f"comma-separated subset of {','.join(SUITES)} (default: all)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false",
+                        help="no progress bars")
+    parser.add_argument("--timeout", type=float, default=3600.0,
+                        help="seconds the msrun launch may take")
+
+
+def options_from(args: argparse.Namespace, command: Optional[str] = None) -> RunOptions:
+    suites = tuple(s.strip() for s in args.suites.split(",") if s.strip())
+    return RunOptions(device=args.device, nproc=args.nproc, out=Path(args.out), quick=args.quick,
+                      suites=suites, progress=args.progress, timeout=args.timeout,
+                      command=command)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks run",
+                                     description="Copy-in and reduce-step benchmarks.")
+    add_arguments(parser)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    try:
+        results = run(options_from(args, "python -m benchmarks run " + shlex.join(argv)))
+    except BenchmarkError as exc:
+        print(f"benchmarks: FAILED: {exc}", file=sys.stderr)
+        return 1
+    if results is not None:
+        print(f"wrote {args.out}")
+    return 0

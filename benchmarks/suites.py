@@ -1,0 +1,95 @@
+"""The two suites the runner times: copy-in (benchmarks.cases copy cases) and the reduce step.
+
+Each returns plain dicts (JSON-ready). The copy suite runs in one process and fits its repeat
+count to a time budget; the reduce suite makes the same calls on every rank (its collectives must
+match), so its warm-up and repeat counts are fixed.
+"""
+from __future__ import annotations
+
+import gc
+from dataclasses import asdict, dataclass, field
+
+from benchmarks.cases import (COPY_SIZES, DTYPE_PAIRS, KIB, MIB, SMALL_COUNT, SMALL_NUMEL,
+                              copy_cases, make_copy, make_reduce_step, make_small_op,
+                              reduce_cases)
+from benchmarks.timing import Budget, measure, measure_budget
+
+
+@dataclass(frozen=True)
+class SuiteSettings:
+    copy_sizes: tuple = COPY_SIZES
+    copy_pairs: tuple = DTYPE_PAIRS
+    copy_budget: Budget = field(default_factory=Budget)
+    reduce_warmup: int = 3
+    reduce_repeats: int = 20
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+FULL = SuiteSettings()
+# Quick: a smoke run. bfloat16 gradients are left out: on CPU their first 1000-gradient pack
+# takes seconds (a first-call cost of bfloat16 cat/cast), more than the rest of the sweep.
+QUICK = SuiteSettings(copy_sizes=(4 * KIB, MIB),
+                      copy_pairs=(("float32", "float32"), ("float32", "bfloat16")),
+                      copy_budget=Budget(warmup=1, seconds=0.05, min_repeats=3, max_repeats=10),
+                      reduce_warmup=1, reduce_repeats=3)
+
+
+def _progress(items, desc: str, show: bool):
+    from tqdm import tqdm
+    return tqdm(items, desc=desc, unit="case", disable=not show, dynamic_ncols=True)
+
+
+def run_copy_suite(settings: SuiteSettings, show_progress: bool = True) -> dict:
+    """Every copy case of ``settings.copy_sizes`` x ``settings.copy_pairs`` (plus the
+    1000-gradient fused packs) and the small-op reference:
+    ``{"cases": [...], "small_op": {...}}``."""
+    rows = []
+    cases = copy_cases(sizes=settings.copy_sizes, pairs=settings.copy_pairs)
+    bar = _progress(cases, "copy-in", show_progress)
+    for case in bar:
+        bar.set_postfix_str(case.name, refresh=False)
+        run = make_copy(case)
+        timing = measure_budget(run, settings.copy_budget)
+        row = {"name": case.name, "method": case.method, "grad_dtype": case.grad_dtype,
+               "bucket_dtype": case.bucket_dtype, "nbytes": case.nbytes, "count": case.count,
+               **timing.to_dict(), "gbps": case.nbytes / timing.median_s / 1e9}
+        pool = getattr(run, "pool", None)
+        if pool is not None:
+            row["new_allocations"] = pool.stats().new_allocations
+        rows.append(row)
+        del run, pool
+        gc.collect()      # the 256 MiB cases: give their tensors back before the next one
+    small = measure_budget(make_small_op(), settings.copy_budget)
+    return {"cases": rows,
+            "small_op": {"count": SMALL_COUNT, "numel": SMALL_NUMEL, **small.to_dict()}}
+
+
+def run_reduce_suite(comm, settings: SuiteSettings, show_progress: bool = True) -> list[dict]:
+    """Every reduce case at ``comm``'s world size; one dict each. Call it on every rank."""
+    rows = []
+    bar = _progress(reduce_cases(comm.world_size), f"reduce w{comm.world_size}", show_progress)
+    for case in bar:
+        bar.set_postfix_str(case.name, refresh=False)
+        run = make_reduce_step(case, comm)
+        run()                                       # step 1: the pool reserves its buckets
+        first = run.pool.stats()
+        timing = measure(run, settings.reduce_warmup, settings.reduce_repeats)
+        stats = run.pool.stats()
+        steps = 1 + timing.warmup + timing.repeats
+        rows.append({
+            "name": case.name, "method": case.method, "comm_fusion": case.comm_fusion,
+            "world_size": case.world_size, "communicator": type(comm).__name__,
+            "alignment_bytes": case.alignment_bytes, "gradients": run.gradients,
+            "grad_bytes": run.grad_bytes, **timing.to_dict(),
+            "new_allocations_first_step": first.new_allocations,
+            "new_allocations_after_first": stats.new_allocations - first.new_allocations,
+            "high_water_bytes": stats.high_water_bytes,
+            "bytes_copied_per_step": stats.bytes_copied / steps,
+            "borrows_per_step": run.reducer.borrows / steps,
+            "live_leases_after": stats.live_leases,
+        })
+        del run
+        gc.collect()
+    return rows

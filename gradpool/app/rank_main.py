@@ -1,0 +1,149 @@
+"""What every rank of ``gradpool train`` runs: train the sharded model, write what happened.
+
+msrun starts it (through ``gradpool.launch.run_ranks``) as ::
+
+    python -m gradpool._rank_entry .../gradpool/app/rank_main.py --config LOG_DIR/config.yaml \\
+        --out-dir LOG_DIR
+
+(or ``python -m gradpool.app.rank_main ...``). The config is the launcher's resolved YAML, so every
+rank trains exactly what the launcher printed. Each rank writes into ``--out-dir``:
+
+* ``steps.rank<R>.jsonl``: one :class:`~gradpool.app.train.StepRecord` per line, flushed as each
+  step ends (the launcher follows rank 0's file to print steps while the run is going);
+* ``final.rank<R>.json``: a :class:`RankOutcome`: status, error (type and message) if the run
+  failed, the pool's final statistics and how many gradients were verified intact.
+
+A failure the run itself detects (a non-finite loss, a gradient the reduce path received that was
+changed or freed: :class:`~gradpool.errors.GradientIntegrityError`) or any other exception is
+recorded in the final file, printed to stderr (so it is in the rank's log tail) and turns into exit
+code 1. ``_rank_entry`` puts this file's directory first on ``sys.path``; nothing here has a
+stdlib name (unlike ``gradpool/copy.py``), so that is harmless.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import mindspore as ms
+
+from gradpool.app.train import NonFiniteLossError, build_sharded_model, train_sharded
+from gradpool.comm import init_distributed
+from gradpool.config import RunConfig, load_config
+from gradpool.errors import GradientIntegrityError, InvalidArgumentError
+from hyper_parallel.platform.mindspore.fully_shard.runtime import runtime_for
+
+logger = logging.getLogger(__name__)
+
+STATUS_OK, STATUS_FAILED = "ok", "failed"
+
+
+def records_path(out_dir, rank: int) -> Path:
+    return Path(out_dir) / f"steps.rank{rank}.jsonl"
+
+
+def final_path(out_dir, rank: int) -> Path:
+    return Path(out_dir) / f"final.rank{rank}.json"
+
+
+@dataclass
+class RankOutcome:
+    """How one rank's training ended (the content of ``final.rank<R>.json``)."""
+
+    rank: int
+    world_size: int
+    status: str = STATUS_OK
+    steps: int = 0                      # steps completed
+    error_type: Optional[str] = None
+    error_message: Optional[str] = None
+    verify_gradients: bool = False
+    verified_gradients: int = 0         # gradients checksummed intact after their reduce path
+    pool: dict = field(default_factory=dict)   # gradpool.pool.PoolStats as a dict
+
+    @property
+    def ok(self) -> bool:
+        return self.status == STATUS_OK
+
+    def describe_error(self) -> str:
+        return f"rank {self.rank}: {self.error_type}: {self.error_message}"
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RankOutcome":
+        return cls(**data)
+
+
+def run_rank(cfg: RunConfig, out_dir, on_step: Optional[Callable] = None) -> RankOutcome:
+    """Train this process's rank (MindSpore's device must be set already) and write its files.
+
+    Never raises for a training failure: the returned outcome (also written to
+    ``final.rank<R>.json``) says what went wrong."""
+    rank, world = init_distributed()
+    outcome = RankOutcome(rank=rank, world_size=world,
+                          verify_gradients=cfg.gradpool.verify_gradients)
+    model = runtime = None
+    try:
+        if world != cfg.launch.ranks:
+            raise InvalidArgumentError(
+                f"this process is rank {rank} of {world}, but launch.ranks = {cfg.launch.ranks}; "
+                "start exactly launch.ranks processes")
+        model = build_sharded_model(cfg)
+        runtime = runtime_for(cfg.gradpool)
+        with open(records_path(out_dir, rank), "w", encoding="utf-8") as records:
+            def write(record) -> None:
+                records.write(json.dumps(dataclasses.asdict(record)) + "\n")
+                records.flush()
+                outcome.steps = record.step + 1
+                if on_step is not None:
+                    on_step(record)
+            train_sharded(cfg, model, runtime.comm, runtime.pool, on_step=write)
+    except Exception as exc:  # noqa: BLE001 - the process boundary: record, then report
+        outcome.status = STATUS_FAILED
+        outcome.error_type = type(exc).__name__
+        outcome.error_message = " ".join(str(exc).split()) or repr(exc)
+        logger.debug("rank %d failed", rank, exc_info=True)
+        if not _expected(exc):
+            traceback.print_exc()
+    if runtime is not None:
+        outcome.pool = dataclasses.asdict(runtime.pool.stats())
+    if model is not None:
+        outcome.verified_gradients = sum(
+            getattr(getattr(p, "hsdp_param", None), "verified_gradients", 0)
+            for p in model.trainable_params())
+    final_path(out_dir, rank).write_text(outcome.to_json(), encoding="utf-8")
+    return outcome
+
+
+def _expected(exc: Exception) -> bool:
+    """Failures the run detects on purpose: their message says it all, no traceback needed."""
+    return isinstance(exc, (NonFiniteLossError, GradientIntegrityError))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gradpool.app.rank_main",
+                                     description="One rank of `gradpool train`.")
+    parser.add_argument("--config", required=True, help="resolved YAML written by the launcher")
+    parser.add_argument("--out-dir", required=True, help="where step records and outcome go")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    cfg = load_config(args.config)
+    ms.set_device(cfg.launch.device)
+    # Under msrun the scheduler process runs this too; it serves the cluster inside
+    # init_distributed() (called first thing in run_rank) and never gets past it.
+    outcome = run_rank(cfg, args.out_dir)
+    if not outcome.ok:
+        print(f"gradpool train: {outcome.describe_error()}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""``gradpool``: the command line.
+
+    gradpool train --config FILE [--set section.key=value ...] [--reference]
+    gradpool check-config FILE [--set section.key=value ...]
+    gradpool bench [--device CPU] [--nproc 2] [--out results.json] [--quick]
+
+Exit codes: 0 success; 1 the run failed (a rank failed, a loss was not finite, a gradient the reduce
+path received was changed or freed, the reference check failed); 2 the command or the config is
+wrong (the reason is printed as one line).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from gradpool.config import RunConfig, dump_yaml, load_config
+from gradpool.errors import ConfigError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+DEFAULT_REFERENCE_RTOL = 1e-3
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(name)s: %(message)s")
+    return args.command(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gradpool", description=__doc__.split("\n\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log library details")
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    train = sub.add_parser("train", help="train the tiny DeepSeek-V3 model with fully_shard")
+    train.add_argument("--config", required=True, help="run config YAML")
+    _add_overrides(train)
+    train.add_argument("--reference", action="store_true",
+                       help="also train the unsharded model in this process and compare losses")
+    train.add_argument("--reference-rtol", type=float, default=DEFAULT_REFERENCE_RTOL,
+                       help="fail when a step's loss differs from the reference by more than "
+                            "this relative amount (default %(default)g)")
+    train.add_argument("--timeout", type=float, default=3600, help="seconds before giving up")
+    train.set_defaults(command=_train)
+
+    check = sub.add_parser("check-config", help="print the resolved config, or what is wrong")
+    check.add_argument("file", help="run config YAML")
+    _add_overrides(check)
+    check.set_defaults(command=_check_config)
+
+    bench = sub.add_parser("bench", help="copy-overhead and reduce-step benchmarks, then report")
+    bench.add_argument("--device", default="CPU", choices=("CPU", "Ascend"))
+    bench.add_argument("--nproc", type=int, default=2, help="ranks of the reduce-step suite")
+    bench.add_argument("--out", default="bench-results.json", help="results JSON")
+    bench.add_argument("--quick", action="store_true", help="small sweep (smoke run)")
+    bench.set_defaults(command=_bench)
+    return parser
+
+
+def _add_overrides(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="SECTION.KEY=VALUE", help="override one config key (repeatable)")
+
+
+def _load(path: str, overrides: list) -> Optional[RunConfig]:
+    """The config, or None after printing why not (one line)."""
+    try:
+        return load_config(path, overrides)
+    except ConfigError as exc:
+        print(f"gradpool: config error: {_one_line(exc)}", file=sys.stderr)
+        return None
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+# -- check-config ------------------------------------------------------------------------------
+def _check_config(args) -> int:
+    cfg = _load(args.file, args.overrides)
+    if cfg is None:
+        return EXIT_USAGE
+    print(dump_yaml(cfg), end="")
+    return EXIT_OK
+
+
+# -- train -------------------------------------------------------------------------------------
+def _train(args) -> int:
+    cfg = _load(args.config, args.overrides)
+    if cfg is None:
+        return EXIT_USAGE
+    from gradpool.app.job import TrainJobError, compare_with_reference, run_job
+
+    launch = cfg.launch
+    where = "in this process" if launch.ranks == 1 else "under msrun"
+    print(f"gradpool train: {launch.ranks} {launch.device} rank(s) {where}, config {args.config}"
+          + (f" with {', '.join(args.overrides)}" if args.overrides else ""), flush=True)
+    try:
+        result = run_job(cfg, on_step=_print_step(cfg.train.steps), timeout=args.timeout)
+    except TrainJobError as exc:
+        print(f"gradpool train: FAILED: {exc.reason}", file=sys.stderr)
+        if exc.details:
+            print(exc.details, file=sys.stderr)
+        return EXIT_FAILED
+    print(f"logs and step records in {result.log_dir}")
+    _print_summary(result)
+    if not args.reference:
+        return EXIT_OK
+    print("reference: training the unsharded model in this process on the same batches ...",
+          flush=True)
+    comparison = compare_with_reference(cfg, result.records)
+    print(f"reference: largest loss difference {comparison.max_abs_diff:.3g} absolute, "
+          f"{comparison.max_rel_diff:.3g} relative over {len(comparison.reference_losses)} steps "
+          f"(tolerance {args.reference_rtol:g} relative)")
+    if not comparison.within(args.reference_rtol):
+        print(f"gradpool train: FAILED: sharded losses {list(comparison.sharded_losses)} differ "
+              f"from the reference {list(comparison.reference_losses)} by more than "
+              f"{args.reference_rtol:g} relative", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _print_step(total: int):
+    width = len(str(total))
+
+    def show(record) -> None:
+        print(f"step {record.step + 1:>{width}}/{total}  loss {record.loss:.6f}  "
+              f"time {record.seconds * 1e3:8.1f} ms  copied {_bytes(record.bytes_copied):>10}  "
+              f"copy {record.copy_gbps:6.2f} GB/s  new allocations {record.new_allocations:3d}  "
+              f"pool high-water {_bytes(record.high_water_bytes)}", flush=True)
+    return show
+
+
+def _print_summary(result) -> None:
+    records = result.records
+    times = [r.seconds for r in records]
+    later = times[1:]
+    after_first = sum(r.new_allocations for r in records[1:])
+    outcome = result.outcome
+    print(f"summary: {len(records)} steps, mean step time {statistics.fmean(times) * 1e3:.1f} ms"
+          + (f" ({statistics.fmean(later) * 1e3:.1f} ms after step 1)" if later else "")
+          + f", copied {_bytes(sum(r.bytes_copied for r in records))} in total, "
+          f"{after_first} new allocations after step 1, "
+          f"pool high-water {_bytes(max((r.high_water_bytes for r in records), default=0))}")
+    if outcome.verify_gradients:
+        print(f"gradient integrity: {outcome.verified_gradients} gradients verified unchanged "
+              f"after their reduce path (rank 0)")
+    else:
+        print("gradient integrity: not verified (gradpool.verify_gradients is false)")
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+# -- bench -------------------------------------------------------------------------------------
+def _bench(args) -> int:
+    from benchmarks import report, runner
+
+    options = runner.RunOptions(device=args.device, nproc=args.nproc, out=Path(args.out),
+                                quick=args.quick)
+    try:
+        runner.run(options)
+    except runner.BenchmarkError as exc:
+        print(f"gradpool bench: FAILED: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    written = report.write_report(Path(args.out))
+    for path in [Path(args.out), *written]:
+        print(f"wrote {path}")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The ``gradpool`` command: check-config in-process, train in-process (1 rank) and under msrun
+(2 ranks: one successful run against the reference, one whose loss overflows to NaN)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gradpool.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
+from gradpool.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "deepseek3_tiny.yaml"
+STEP_LINE = re.compile(r"^step (\d+)/(\d+)  loss (\S+)  time +\S+ ms  copied .+  copy +\S+ GB/s  "
+                       r"new allocations +(\d+)  pool high-water .+$", re.M)
+REFERENCE_LINE = re.compile(r"^reference: largest loss difference (\S+) absolute, (\S+) relative",
+                            re.M)
+
+
+def _cli(*args: str, timeout: float = 600, env=None) -> subprocess.CompletedProcess:
+    """``python -m gradpool ARGS`` in a fresh process, from the project root."""
+    return subprocess.run([sys.executable, "-m", "gradpool", *args], cwd=ROOT, text=True,
+                          capture_output=True, timeout=timeout,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("gradpool")]
+
+
+# -- check-config ------------------------------------------------------------------------------
+def test_check_config_prints_the_resolved_config(capsys):
+    assert main(["check-config", str(TINY), "--set", "train.steps=2",
+                 "--set", "fully_shard.comm_fusion=on"]) == EXIT_OK
+    printed = yaml.safe_load(capsys.readouterr().out)
+    expected = load_config(TINY, ["train.steps=2", "fully_shard.comm_fusion=true"])
+    assert printed == expected.to_dict()
+    assert printed["train"]["steps"] == 2 and printed["fully_shard"]["comm_fusion"] is True
+
+
+def test_shipped_tiny_config_verifies_gradients():
+    assert load_config(TINY).gradpool.verify_gradients is True
+
+
+def test_check_config_bad_file_is_one_line_and_exit_2(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("gradpool:\n  bucket_cap_mb: 25\n")
+    assert main(["check-config", str(bad)]) == EXIT_USAGE
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1
+    assert "gradpool.bucket_cap_mb" in lines[0] and "bucket_cap_mib" in lines[0]
+
+
+def test_check_config_unreadable_and_invalid_yaml(tmp_path, capsys):
+    assert main(["check-config", str(tmp_path / "missing.yaml")]) == EXIT_USAGE
+    assert "cannot be read" in capsys.readouterr().err
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: [1,\n  2\ntrain: {")
+    assert main(["check-config", str(broken)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "not valid YAML" in err
+
+
+@pytest.mark.parametrize("override, words", [
+    ("train.stepz=2", ["train.stepz", "did you mean 'train.steps'"]),
+    ("train.steps", ["section.key=value"]),
+    ("model.num_heads=5", ["num_heads = 5", "not divisible"]),
+    ("launch.device=GPU", ["launch.device", "'CPU'"]),
+])
+def test_bad_set_is_one_line_and_exit_2(override, words, capsys):
+    assert main(["check-config", str(TINY), "--set", override]) == EXIT_USAGE
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gradpool: config error: ")
+    for word in words:
+        assert word in lines[0]
+
+
+def test_train_with_a_bad_config_launches_nothing(capsys):
+    assert main(["train", "--config", str(TINY), "--set", "model.num_heads=3"]) == EXIT_USAGE
+    captured = capsys.readouterr()
+    assert captured.out == "" and "not divisible" in captured.err
+
+
+# -- train, one rank in this process -----------------------------------------------------------
+def test_train_one_rank_in_process_with_reference(tmp_path, capsys):
+    code = main(["train", "--config", str(TINY), "--reference", "--set", "launch.ranks=1",
+                 "--set", "train.steps=2", "--set", f"launch.log_dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert code == EXIT_OK, out
+    steps = STEP_LINE.findall(out)
+    assert [(s[0], s[1]) for s in steps] == [("1", "2"), ("2", "2")]
+    assert steps[1][3] == "0"                        # no new allocation in step 2
+    assert "summary: 2 steps" in out and "0 new allocations after step 1" in out
+    abs_diff, rel_diff = map(float, REFERENCE_LINE.search(out).groups())
+    assert rel_diff <= 1e-5 and abs_diff <= 1e-4
+    assert (tmp_path / "config.yaml").is_file() and (tmp_path / "final.rank0.json").is_file()
+    assert load_config(tmp_path / "config.yaml").launch.ranks == 1
+
+
+# -- train, two ranks under msrun ------------------------------------------------------------
+@pytest.mark.distributed
+def test_train_two_ranks_matches_the_reference():
+    run = _cli("train", "--config", str(TINY), "--set", "train.steps=2", "--reference")
+    assert run.returncode == EXIT_OK, run.stdout + run.stderr[-4000:]
+    out = run.stdout
+    assert "2 CPU rank(s) under msrun" in out
+    steps = STEP_LINE.findall(out)
+    assert [(s[0], s[1]) for s in steps] == [("1", "2"), ("2", "2")]
+    assert all(float(s[2]) > 0 for s in steps)
+    assert int(steps[0][3]) > 0 and steps[1][3] == "0"   # buckets reserved once, then reused
+    summary = re.search(r"^summary: 2 steps, mean step time \S+ ms .*, copied .* in total, "
+                        r"0 new allocations after step 1, pool high-water \S+ \S+$", out, re.M)
+    assert summary, out
+    verified = re.search(r"^gradient integrity: (\d+) gradients verified unchanged", out, re.M)
+    assert verified and int(verified.group(1)) > 0
+    abs_diff, rel_diff = map(float, REFERENCE_LINE.search(out).groups())
+    assert rel_diff <= 1e-5 and abs_diff <= 1e-4
+
+
+@pytest.mark.distributed
+def test_train_fails_on_a_non_finite_loss():
+    # SGD at lr 1e38 throws the weights to ~1e38 after one step: the second step's activations
+    # overflow float32 and its loss is NaN on both ranks (checked in-process: 4.56, nan, nan).
+    # When msrun kills the second rank while it is still exiting, MindSpore's scheduler waits
+    # out that node's heartbeat timeout (30 s by default) before msrun returns; MS_NODE_TIMEOUT
+    # (MindSpore's own setting) shortens that wait.
+    run = _cli("train", "--config", str(TINY), "--set", "train.steps=3",
+               "--set", "train.optimizer=sgd", "--set", "train.learning_rate=1e38",
+               env={"MS_NODE_TIMEOUT": "15"})
+    assert run.returncode == EXIT_FAILED, run.stdout + run.stderr[-4000:]
+    assert [s[0] for s in STEP_LINE.findall(run.stdout)] == ["1"]
+    errors = _error_lines(run.stderr)
+    assert errors and errors[0].startswith("gradpool train: FAILED: rank ")
+    assert "NonFiniteLossError: step 2 of 3: loss is nan" in errors[0]
+    assert "worker_0.log" in run.stderr                 # the launcher's log tail follows
