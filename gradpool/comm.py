@@ -240,6 +240,21 @@ class SingleProcessCommunicator(Communicator):
         return CompletedHandle()
 
 
+class _GroupCommunicator(Communicator):
+    """A communicator over a real process group: rank and size are read once, at construction."""
+
+    _rank: int
+    _world: int
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+
 # -- CPU: MCCL under msrun ---------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _jitted(kind: str, group: str):
@@ -264,7 +279,7 @@ def _jitted(kind: str, group: str):
     return run_all_gather
 
 
-class CpuMcclCommunicator(Communicator):
+class CpuMcclCommunicator(_GroupCommunicator):
     """CPU ranks started by ``msrun`` (MCCL backend).
 
     MindSpore 2.10 has no CPU reduce-scatter kernel, so ``reduce_scatter`` is an **all-reduce of
@@ -283,14 +298,6 @@ class CpuMcclCommunicator(Communicator):
         self.group = group or GlobalComm.WORLD_COMM_GROUP
         self._rank = get_rank(self.group)
         self._world = get_group_size(self.group)
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world
 
     def _reduce_scatter(self, output, input, op, async_op) -> CommHandle:
         n = output.numel()
@@ -328,7 +335,7 @@ class CpuMcclCommunicator(Communicator):
 
 
 # -- Ascend: HCCL through mint.distributed ----------------------------------------------------
-class AscendHcclCommunicator(Communicator):
+class AscendHcclCommunicator(_GroupCommunicator):
     """Ascend ranks, through ``mindspore.mint.distributed`` (HCCL).
 
     ``async_op=True`` returns a handle wrapping MindSpore's ``CommHandle`` (``wait()`` only; see
@@ -353,14 +360,6 @@ class AscendHcclCommunicator(Communicator):
         self.group = group          # None: hccl_world_group
         self._rank = backend.get_rank(group)
         self._world = backend.get_world_size(group)
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world
 
     def _reduce_scatter(self, output, input, op, async_op) -> CommHandle:
         wire_op = self._wire_op(op)

@@ -42,26 +42,26 @@ _HOST_DTYPES = {ms.float32: np.float32, ms.float16: np.float16}
 
 def pack(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout) -> None:
     """Write ``grads`` into ``lease`` per ``layout``: cast to the lease dtype, pad with zeros."""
-    _check(lease, grads, layout)
-    start = time.perf_counter()
-    if _host_path(lease, grads, layout):
-        _host_write(lease, grads, layout, add=False)
-    else:
-        _write(lease, _assemble(grads, layout))
-    _account(lease, layout, start)
+    _put(lease, grads, layout, add=False)
 
 
 def accumulate(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout) -> None:
     """Add ``grads`` (packed per ``layout``) to what ``lease`` already holds (a micro-step)."""
+    _put(lease, grads, layout, add=True)
+
+
+def _put(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout, add: bool) -> None:
     _check(lease, grads, layout)
     start = time.perf_counter()
     if _host_path(lease, grads, layout):
-        _host_write(lease, grads, layout, add=True)
+        _host_write(lease, grads, layout, add=add)
     else:
         packed = _assemble(grads, layout)
-        if packed.dtype != lease.dtype:
-            packed = packed.astype(lease.dtype)
-        _write(lease, mint.add(lease.tensor, packed))
+        if add:
+            if packed.dtype != lease.dtype:
+                packed = packed.astype(lease.dtype)
+            packed = mint.add(lease.tensor, packed)
+        _write(lease, packed)
     _account(lease, layout, start)
 
 
