@@ -30,7 +30,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import mint
 
-from gradpool.device import device_target, synchronize
+from gradpool.device import synchronize
 from gradpool.errors import LayoutMismatchError
 from gradpool.layout import GradSlot, ReduceScatterLayout
 from gradpool.pool import Lease, check_dtype, itemsize, writable_view
@@ -53,7 +53,8 @@ def accumulate(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLa
 def _put(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout, add: bool) -> None:
     _check(lease, grads, layout)
     start = time.perf_counter()
-    if _host_path(lease, grads, layout):
+    on_host = _host_path(lease, grads, layout)
+    if on_host:
         _host_write(lease, grads, layout, add=add)
     else:
         packed = _assemble(grads, layout)
@@ -62,6 +63,10 @@ def _put(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout, 
                 packed = packed.astype(lease.dtype)
             packed = mint.add(lease.tensor, packed)
         _write(lease, packed)
+    # NumPy writes are done when they return; device writes are queued, so timing them needs
+    # a synchronize (a pipeline round trip per pack: only when the pool asks for timed copies).
+    if not on_host and lease.pool.timed_copies:
+        synchronize()
     _account(lease, layout, start)
 
 
@@ -108,8 +113,6 @@ def _check(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout
 
 def _account(lease: Lease, layout: ReduceScatterLayout, start: float) -> None:
     pool = lease.pool
-    if pool.timed_copies:
-        synchronize()
     size = itemsize(lease.dtype)
     pool.record_copy(lease, nbytes=layout.total_numel * size,
                      seconds=time.perf_counter() - start,
@@ -185,7 +188,7 @@ def _write(lease: Lease, src: ms.Tensor) -> None:
 def _host_path(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout) -> bool:
     return HOST_COPIES and lease.is_whole_bucket and lease.dtype in _HOST_DTYPES \
         and all(g.dtype in _HOST_DTYPES for g in grads) \
-        and all(slot.shard_dim == 0 for slot in layout.slots) and device_target() == "CPU"
+        and all(slot.shard_dim == 0 for slot in layout.slots) and lease.pool.device == "CPU"
 
 
 def _host_write(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout,

@@ -26,6 +26,7 @@ from typing import Any, Optional, Protocol
 import mindspore as ms
 from mindspore import mint
 
+from gradpool.device import SUPPORTED_DEVICES, device_target
 from gradpool.errors import (ForeignLeaseError, InvalidArgumentError, LeaseStateError,
                              PoolCapacityError, UnsupportedDtypeError)
 
@@ -173,7 +174,7 @@ class BucketPool:
     copy time (turn off on Ascend to keep packing and communication overlapped).
     """
 
-    def __init__(self, device: str = "CPU", alignment_bytes: int = 512,
+    def __init__(self, device: Optional[str] = None, alignment_bytes: int = 512,
                  max_cached_bytes: Optional[int] = None, poison_on_release: bool = False,
                  max_buckets_in_flight: Optional[int] = None, timed_copies: bool = True):
         if not isinstance(alignment_bytes, int) or alignment_bytes < 2 or alignment_bytes % 4:
@@ -185,7 +186,11 @@ class BucketPool:
         if max_buckets_in_flight is not None and max_buckets_in_flight < 1:
             raise InvalidArgumentError(
                 f"max_buckets_in_flight must be >= 1 or None, got {max_buckets_in_flight!r}")
-        self.device = device
+        # None: the process's device target. Copies take the NumPy host path only on "CPU".
+        self.device = device if device is not None else device_target()
+        if self.device not in SUPPORTED_DEVICES:
+            raise InvalidArgumentError(
+                f"device {self.device!r} is not supported; use one of {SUPPORTED_DEVICES}")
         self.alignment_bytes = alignment_bytes
         self.max_cached_bytes = max_cached_bytes
         self.max_buckets_in_flight = max_buckets_in_flight

@@ -64,6 +64,9 @@ def test_each_path_is_taken_when_selected(copy_path, dtypes, monkeypatch):
     lease = BucketPool(alignment_bytes=4).acquire(256, bucket_dtype)
     gcopy.pack(lease, [ms.Tensor(np.ones(256, np.float32)).astype(grad_dtype)], layout)
     assert len(calls) == (1 if copy_path == "host-copies" else 0)
+    ascend_pool_lease = BucketPool(device="Ascend", alignment_bytes=4).acquire(256, bucket_dtype)
+    gcopy.pack(ascend_pool_lease, [ms.Tensor(np.ones(256, np.float32)).astype(grad_dtype)], layout)
+    assert len(calls) == (1 if copy_path == "host-copies" else 0), "host path is CPU-only"
 
 
 @pytest.mark.parametrize("bucket_dtype", DTYPES)

@@ -241,8 +241,12 @@ def test_cap_evicts_idle_buckets_before_refusing():
 
 
 @pytest.mark.parametrize("kwargs", [dict(alignment_bytes=3), dict(max_cached_bytes=0),
-                                    dict(max_buckets_in_flight=0)])
+                                    dict(max_buckets_in_flight=0), dict(device="GPU")])
 def test_bad_pool_options(kwargs):
     with pytest.raises(InvalidArgumentError) as err:
         BucketPool(**kwargs)
     assert str(list(kwargs.values())[0]) in str(err.value)
+
+
+def test_pool_device_defaults_to_the_device_target():
+    assert BucketPool().device == "CPU"
