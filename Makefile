@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CONFIG ?= configs/deepseek3_tiny.yaml
+ARGS ?= --reference
 
 .PHONY: setup test train bench clean
 
@@ -18,7 +19,7 @@ test: setup
 	$(PY) -m pytest -q benchmarks --benchmark-disable
 
 train: setup
-	$(VENV)/bin/gradpool train --config $(CONFIG)
+	$(VENV)/bin/gradpool train --config $(CONFIG) $(ARGS)
 
 bench: setup
 	$(VENV)/bin/gradpool bench --out bench-results.json
