@@ -14,8 +14,8 @@ MindSpore 2.10's CPU backend silently ignores ``copy_`` into a view at a non-zer
 
 On the CPU backend a tensor's ``asnumpy()`` is the tensor's own host memory, and MindSpore's CPU
 copy kernel runs at about half of memcpy bandwidth (4.3 against 9.4 GB/s measured on 64 MiB).
-So on CPU, when the lease is a whole allocation and every dtype is one NumPy has (float32,
-float16), the same writes are done with NumPy in place: one pass, no intermediate, ~1 us per
+So on CPU, when every dtype is one NumPy has (float32, float16), the same writes are done with
+NumPy in place in the lease's allocation: one pass, no intermediate, ~1 us per
 gradient. ``HOST_COPIES = False`` forces the device path everywhere; the tests run both paths.
 
 Every caller tensor is only ever read here.
@@ -186,7 +186,7 @@ def _write(lease: Lease, src: ms.Tensor) -> None:
 
 
 def _host_path(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout) -> bool:
-    return HOST_COPIES and lease.is_whole_bucket and lease.dtype in _HOST_DTYPES \
+    return HOST_COPIES and lease.dtype in _HOST_DTYPES \
         and all(g.dtype in _HOST_DTYPES for g in grads) \
         and all(slot.shard_dim == 0 for slot in layout.slots) and lease.pool.device == "CPU"
 
@@ -194,7 +194,8 @@ def _host_path(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLa
 def _host_write(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout,
                 add: bool) -> None:
     """The CPU path: write (or add) into the bucket's own host memory with NumPy."""
-    rows = lease.tensor.asnumpy().reshape(layout.world_size, layout.row_numel)
+    # The whole allocation's asnumpy() is its memory; a prefix view's asnumpy() is a copy.
+    rows = lease.allocation.asnumpy()[:lease.numel].reshape(layout.world_size, layout.row_numel)
     if not add:
         for start, end in layout.gaps():
             rows[:, start:end] = 0

@@ -140,6 +140,13 @@ class Lease:
         return self._tensor
 
     @property
+    def allocation(self) -> ms.Tensor:
+        """The whole flat allocation ``.tensor`` is the prefix of. For writers that address host
+        memory directly (``gradpool.copy``); only ``[0, numel)`` belongs to this lease."""
+        self.tensor  # noqa: B018 - raises on a released lease
+        return self._bucket.tensor
+
+    @property
     def is_whole_bucket(self) -> bool:
         """True when ``.tensor`` is the entire allocation (whole-tensor ``copy_`` is valid)."""
         return self.numel == self._bucket.capacity

@@ -73,13 +73,18 @@ def test_each_path_is_taken_when_selected(copy_path, dtypes, monkeypatch):
 def test_pack_into_part_of_a_larger_bucket(bucket_dtype):
     """A lease smaller than its bucket is a view; the write must land and stay inside it."""
     pool = BucketPool()
-    pool.acquire(4096, bucket_dtype).release()
+    big = pool.acquire(4096, bucket_dtype)
+    sentinel = np.full(4096, 3.5)
+    gcopy.pack(big, [ms.Tensor(sentinel.astype(np.float32))], ReduceScatterLayout.build([(4096,)], 1))
+    big.release()
     layout = ReduceScatterLayout.build([(10, 3)], 2, 1)
     lease = pool.acquire(layout.total_numel, bucket_dtype)
     assert not lease.is_whole_bucket
     arrays = [exact_grid(np.random.default_rng(0), (10, 3))]
     gcopy.pack(lease, tensors(arrays, ms.float32), layout)
     np.testing.assert_array_equal(values(lease.tensor), np_pack(arrays, layout))
+    tail = values(lease.allocation)[layout.total_numel:]
+    np.testing.assert_array_equal(tail, sentinel[layout.total_numel:])
     lease.release()
 
 
