@@ -10,7 +10,7 @@ from mindspore import Parameter, mint, nn
 from gradpool.app.train import (build_sharded_model, gathered_params, train_reference,
                                 train_sharded)
 from gradpool.config import GradPoolConfig, from_dict
-from gradpool.errors import InvalidArgumentError
+from gradpool.errors import GradientIntegrityError, InvalidArgumentError
 from hyper_parallel import fully_shard, hsdp_sync_stream, init_device_mesh
 from hyper_parallel.core.device_mesh import DeviceMesh
 from hyper_parallel.core.fully_shard.api import HSDPModule, MixedPrecisionPolicy
@@ -186,3 +186,22 @@ def test_param_dtype_computes_in_bfloat16_and_output_dtype_casts_outputs():
     _, grads = _loss_and_grads(net, x)
     assert grads[0].dtype == ms.float32                      # the shard parameter's dtype
     np.testing.assert_allclose(grads[0].asnumpy(), ref_grads[0].asnumpy(), rtol=1e-2)
+
+
+@pytest.mark.parametrize("damage", ["changed", "freed"])
+def test_gradient_verification_catches_a_damaged_gradient(damage):
+    """verify_gradients really compares: a gradient changed or freed while the reduce path holds
+    it raises GradientIntegrityError (what `gradpool train` turns into a failed run)."""
+    net = fully_shard(TwoLayer(), pool_config=GradPoolConfig(verify_gradients=True))
+    managed = net.trainable_params()[0].hsdp_param
+    grad = ms.Tensor(np.arange(20, dtype=np.float32).reshape(5, 4))
+    managed.set_unsharded_grad(grad)
+    managed.reduce_scatter_grad(async_op=True, reduce_op="avg")
+    if damage == "changed":
+        grad.asnumpy()[0, 0] = -1.0            # on CPU asnumpy() is the tensor's own memory
+    else:
+        grad.untyped_storage().resize_(0)      # what the seed bug did to the caller's gradient
+    with pytest.raises(GradientIntegrityError) as err:
+        managed.reduce_scatter_output()
+    assert managed.name in str(err.value)
+    assert ("changed" if damage == "changed" else "lost its storage") in str(err.value)
