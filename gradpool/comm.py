@@ -120,7 +120,7 @@ def write_into(output: ms.Tensor, result: ms.Tensor) -> None:
     writable_view(output)[:] = writable_view(result)
 
 
-def _check_op(op: str) -> None:
+def check_reduce_op(op: str) -> None:
     if op not in REDUCE_OPS:
         raise InvalidArgumentError(
             f"reduce op {op!r} is not supported; use one of {', '.join(map(repr, REDUCE_OPS))}")
@@ -175,7 +175,7 @@ class Communicator(abc.ABC):
 
     def reduce_scatter(self, output: ms.Tensor, input: ms.Tensor, op: str = "sum",
                        async_op: bool = False) -> CommHandle:
-        _check_op(op)
+        check_reduce_op(op)
         _check_input("reduce_scatter", "input", input)
         world = self.world_size
         if input.numel() % world:
@@ -194,7 +194,7 @@ class Communicator(abc.ABC):
         return self._all_gather(output, input, async_op)
 
     def all_reduce(self, tensor: ms.Tensor, op: str = "sum", async_op: bool = False) -> CommHandle:
-        _check_op(op)
+        check_reduce_op(op)
         _check_input("all_reduce", "tensor", tensor)
         return self._all_reduce(tensor, op, async_op)
 

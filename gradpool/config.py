@@ -207,7 +207,7 @@ class _Section:
 class FullyShardConfig(_Section):
     SECTION = "fully_shard"
     comm_fusion: bool = _key(False, Bool(), "reduce-scatter many gradients in one fused bucket")
-    reshard_after_forward: bool = _key(True, Bool(), "free unsharded parameters after forward")
+    reshard_after_forward: bool = _key(True, Bool(), "drop gathered parameters after forward")
     param_dtype: Optional[str] = _key(None, Choice(DTYPE_CHOICES, nullable=True),
                                       "compute dtype of parameters; null keeps their own")
     reduce_dtype: Optional[str] = _key("float32", Choice(DTYPE_CHOICES, nullable=True),
@@ -222,7 +222,7 @@ class GradPoolConfig(_Section):
     SECTION = "gradpool"
     bucket_cap_mib: float = _key(25.0, PositiveNumber(), "largest fused bucket, MiB")
     buckets_in_flight: Optional[int] = _key(2, Int(minimum=1, nullable=True),
-                                            "buckets per dtype before acquire waits")
+                                            "buckets per dtype in flight before acquire waits")
     alignment_bytes: int = _key(512, Int(minimum=4, multiple_of=4),
                                 "each gradient chunk starts on this byte boundary")
     zero_copy: bool = _key(False, Bool(), "reduce in place when the layout allows it")

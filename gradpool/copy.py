@@ -52,22 +52,30 @@ def accumulate(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLa
 
 def _put(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout, add: bool) -> None:
     _check(lease, grads, layout)
+    timed = lease.pool.timed_copies
+    if timed:
+        synchronize()       # so the clock measures this copy, not backward work still queued
     start = time.perf_counter()
     on_host = _host_path(lease, grads, layout)
     if on_host:
+        # asnumpy() waits for every queued op that writes the tensor (a pending poison fill, the
+        # op that produced a gradient), so the NumPy write below is ordered after them.
         _host_write(lease, grads, layout, add=add)
     else:
         packed = _assemble(grads, layout)
         if add:
-            if packed.dtype != lease.dtype:
-                packed = packed.astype(lease.dtype)
-            packed = mint.add(lease.tensor, packed)
+            packed = _add_once_rounded(lease.tensor, packed)
         _write(lease, packed)
-    # NumPy writes are done when they return; device writes are queued, so timing them needs
-    # a synchronize (a pipeline round trip per pack: only when the pool asks for timed copies).
-    if not on_host and lease.pool.timed_copies:
-        synchronize()
-    _account(lease, layout, start)
+    if timed and not on_host:
+        synchronize()       # device writes are queued; NumPy writes are done when they return
+    _account(lease, layout, start, padding=not add)
+
+
+def _add_once_rounded(bucket: ms.Tensor, packed: ms.Tensor) -> ms.Tensor:
+    """``bucket + packed`` computed in the wider dtype and rounded once (as the NumPy path does)."""
+    if packed.dtype == bucket.dtype:
+        return mint.add(bucket, packed)
+    return mint.add(bucket.astype(ms.float32), packed.astype(ms.float32))
 
 
 def shard_views(output: ms.Tensor, layout: ReduceScatterLayout) -> list[ms.Tensor]:
@@ -78,20 +86,11 @@ def shard_views(output: ms.Tensor, layout: ReduceScatterLayout) -> list[ms.Tenso
     if output.shape != (layout.row_numel,):
         raise LayoutMismatchError(
             f"output has shape {output.shape}; the layout's row needs ({layout.row_numel},)")
-    sizes, pieces = [], []
-    cursor = 0
-    for slot in layout.slots:
-        if slot.offset > cursor:
-            sizes.append(slot.offset - cursor)
-            pieces.append(None)
-        sizes.append(slot.chunk_numel)
-        pieces.append(slot)
-        cursor = slot.offset + slot.chunk_numel
-    if layout.row_numel > cursor:
-        sizes.append(layout.row_numel - cursor)
-        pieces.append(None)
-    parts = mint.split(output, sizes) if len(sizes) > 1 else (output,)
-    return [part.view(slot.chunk_shape) for part, slot in zip(parts, pieces) if slot is not None]
+    segments = layout.row_segments()
+    parts = mint.split(output, [length for length, _ in segments]) if len(segments) > 1 \
+        else (output,)
+    return [part.view(slot.chunk_shape) for part, (_, slot) in zip(parts, segments)
+            if slot is not None]
 
 
 # -- internals ---------------------------------------------------------------------------------
@@ -111,12 +110,12 @@ def _check(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout
             f"lease holds {lease.numel} elements; the layout needs {layout.total_numel}")
 
 
-def _account(lease: Lease, layout: ReduceScatterLayout, start: float) -> None:
-    pool = lease.pool
+def _account(lease: Lease, layout: ReduceScatterLayout, start: float, padding: bool) -> None:
+    """Bytes written into the bucket (padding included); padding is counted when it is written."""
     size = itemsize(lease.dtype)
-    pool.record_copy(lease, nbytes=layout.total_numel * size,
-                     seconds=time.perf_counter() - start,
-                     padding_bytes=layout.padding_numel * size)
+    lease.pool.record_copy(lease, nbytes=layout.total_numel * size,
+                           seconds=time.perf_counter() - start,
+                           padding_bytes=layout.padding_numel * size if padding else 0)
 
 
 def _flat(tensor: ms.Tensor) -> ms.Tensor:
@@ -157,19 +156,10 @@ def _assemble(grads: Sequence[ms.Tensor], layout: ReduceScatterLayout) -> ms.Ten
     if layout.is_identity():
         return _flat(grads[0])
     dtypes = {g.dtype for g in grads}
-    common = dtypes.pop() if len(dtypes) == 1 else None
-    world = layout.world_size
-    pieces = []
-    cursor = 0
-    for slot, grad in zip(layout.slots, grads):
-        if common is None:
-            grad = grad.astype(ms.float32)
-        if slot.offset > cursor:
-            pieces.append(_zeros((world, slot.offset - cursor), grad.dtype))
-        pieces.append(_rows(grad, slot))
-        cursor = slot.offset + slot.chunk_numel
-    if layout.row_numel > cursor:
-        pieces.append(_zeros((world, layout.row_numel - cursor), pieces[-1].dtype))
+    dtype = dtypes.pop() if len(dtypes) == 1 else ms.float32   # mixed: cat needs one dtype
+    grads = [g if g.dtype == dtype else g.astype(dtype) for g in grads]
+    pieces = [_zeros((layout.world_size, length), dtype) if slot is None
+              else _rows(grads[slot.index], slot) for length, slot in layout.row_segments()]
     out = mint.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
     return out.view(layout.total_numel)
 

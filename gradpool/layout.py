@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from gradpool.errors import InvalidArgumentError
 
@@ -128,26 +128,33 @@ class ReduceScatterLayout:
         """Elements of the bucket that hold no gradient (uneven-shard rows and alignment gaps)."""
         return self.total_numel - self.data_numel
 
-    @property
-    def shapes(self) -> tuple[Shape, ...]:
-        return tuple(slot.shape for slot in self.slots)
-
     def flat_range(self, index: int, rank: int) -> tuple[int, int]:
         """Flat [start, end) in the input bucket of gradient ``index``'s ``rank``-th chunk."""
         slot = self.slots[index]
         base = rank * self.row_numel + slot.offset
         return base, base + slot.chunk_numel
 
-    def gaps(self) -> tuple[tuple[int, int], ...]:
-        """In-row [start, end) ranges that belong to no gradient (alignment gaps and row tail)."""
-        out = []
+    def row_segments(self) -> tuple[tuple[int, Optional[GradSlot]], ...]:
+        """One row, in order, as ``(length, slot)`` pieces; ``slot`` is None for a gap (an
+        alignment gap or the row's tail), which holds zeros."""
+        out: list[tuple[int, Optional[GradSlot]]] = []
         cursor = 0
         for slot in self.slots:
             if slot.offset > cursor:
-                out.append((cursor, slot.offset))
+                out.append((slot.offset - cursor, None))
+            out.append((slot.chunk_numel, slot))
             cursor = slot.offset + slot.chunk_numel
         if self.row_numel > cursor:
-            out.append((cursor, self.row_numel))
+            out.append((self.row_numel - cursor, None))
+        return tuple(out)
+
+    def gaps(self) -> tuple[tuple[int, int], ...]:
+        """In-row [start, end) ranges that belong to no gradient (alignment gaps and row tail)."""
+        out, start = [], 0
+        for length, slot in self.row_segments():
+            if slot is None:
+                out.append((start, start + length))
+            start += length
         return tuple(out)
 
     def is_identity(self) -> bool:
@@ -155,6 +162,4 @@ class ReduceScatterLayout:
         evenly divisible, no alignment gap. Only then can a collective read a gradient in place."""
         if len(self.slots) != 1:
             return False
-        slot = self.slots[0]
-        return slot.shard_dim == 0 and slot.shard_padding_numel == 0 \
-            and self.padding_numel == 0
+        return self.slots[0].shard_dim == 0 and self.padding_numel == 0

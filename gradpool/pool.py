@@ -3,17 +3,21 @@
 Ownership rule (the reason this module exists): storage is only ever released by
 :func:`_release_storage`, which takes a ``_Bucket`` record. A ``_Bucket`` is created only by
 :meth:`BucketPool._allocate`, so the pool can never free a tensor it did not allocate, whatever a
-caller passes in. Recycling never frees anything; only :meth:`BucketPool.trim` does, and only for
-idle buckets with no live lease and no pending fence.
+caller passes in. Recycling never frees anything. Storage is released by :meth:`BucketPool.trim`
+and, under a ``max_cached_bytes`` cap, by ``acquire`` evicting idle buckets to make room; both
+only touch idle buckets with no live lease and no pending fence.
 
 Lifetimes:
 
 * ``acquire`` -> ``Lease`` (live) -> ``lease.release(fence)`` -> bucket *fenced* until
   ``fence.is_completed()`` -> (poisoned with NaN if asked) -> *free*, acquirable again.
-* When every bucket of a dtype is fenced, ``acquire`` allocates a new one, unless that would pass
-  ``max_buckets_in_flight`` (then it waits on the oldest fence and counts the stall) or
-  ``max_cached_bytes`` (then it first waits on a fence that frees a large enough bucket, and
-  otherwise raises :class:`PoolCapacityError`).
+* ``max_buckets_in_flight`` bounds the buckets per dtype whose collective may still be running
+  (fenced): an ``acquire`` that finds that many waits for the oldest fence first (a stall).
+* With no free bucket large enough, ``acquire`` allocates, unless that would pass
+  ``max_cached_bytes``: then it waits for a fenced bucket that fits, else evicts idle buckets,
+  else raises :class:`PoolCapacityError` (leaving the pool as it was).
+* A fence whose ``is_completed()`` or ``wait()`` raises is over as far as memory goes: the bucket
+  is recycled and the error is left to whoever waits on that handle for its result.
 """
 from __future__ import annotations
 
@@ -87,11 +91,18 @@ class _Bucket:
     dtype: Any
     capacity: int             # elements
     fence: Optional[Fence] = None
-    lease: Optional["Lease"] = None
 
     @property
     def nbytes(self) -> int:
         return self.capacity * _ITEMSIZE[self.dtype]
+
+
+def fence_done(fence: Fence) -> bool:
+    try:
+        return fence.is_completed()
+    except Exception as exc:  # noqa: BLE001 - a broken handle reads nothing any more
+        logger.warning("fence %r raised in is_completed(), treated as completed: %s", fence, exc)
+        return True
 
 
 def _release_storage(bucket: _Bucket) -> None:
@@ -175,7 +186,8 @@ class BucketPool:
 
     ``alignment_bytes``: bucket sizes are rounded up to this many bytes (512 is Ascend's rule).
     ``max_cached_bytes``: cap on bytes the pool holds at once (None: no cap).
-    ``max_buckets_in_flight``: cap on buckets per dtype; past it ``acquire`` waits for a fence.
+    ``max_buckets_in_flight``: cap on buckets per dtype whose collective may still be running;
+    at the cap ``acquire`` first waits for the oldest fence.
     ``poison_on_release``: fill a bucket with NaN when its fence completes, before any reuse.
     ``timed_copies``: synchronize the device after each pack so ``copy_seconds`` is the real
     copy time (turn off on Ascend to keep packing and communication overlapped).
@@ -219,7 +231,7 @@ class BucketPool:
             raise InvalidArgumentError(f"count must be an int >= 1, got {count!r}")
         capacity = self._capacity_for(numel, dtype)
         needed = capacity * itemsize(dtype) * count
-        self._check_cap(needed, numel * itemsize(dtype))
+        self._check_cap(needed, f"reserve of {count} x {capacity * itemsize(dtype)} bytes")
         for _ in range(count):
             self._lists_for(dtype).free.append(self._allocate(capacity, dtype))
 
@@ -228,31 +240,34 @@ class BucketPool:
         self._check_request(numel, dtype)
         lists = self._lists_for(dtype)
         self._reap(lists)
+        cap = self.max_buckets_in_flight
+        while cap is not None and len(lists.fenced) >= cap:
+            self._wait_for(lists, lists.fenced[0])
         bucket = self._take_free(lists, numel)
         if bucket is None:
-            bucket = self._grow_or_wait(lists, numel, dtype)
+            bucket = self._grow(lists, numel, dtype)
         else:
             self._stats.reuses += 1
         lease = Lease(self, bucket, numel)
-        bucket.lease = lease
         self._live.add(lease)
         return lease
 
     def release(self, lease: Lease, fence: Optional[Fence] = None) -> None:
-        if not isinstance(lease, Lease) or lease.pool is not self:
-            owner = getattr(getattr(lease, "pool", None), "pool_id", None)
+        if not isinstance(lease, Lease):
             raise ForeignLeaseError(
-                f"{lease!r} was issued by pool {owner}, not by this pool ({self.pool_id}); "
-                "release it through the pool that issued it")
+                f"release() takes a Lease from this pool, got {type(lease).__name__} {lease!r}")
+        if lease.pool is not self:
+            raise ForeignLeaseError(
+                f"{lease!r} was issued by pool {lease.pool.pool_id}, not by this pool "
+                f"({self.pool_id}); release it through the pool that issued it")
         if lease.released:
             raise LeaseStateError(f"{lease!r} was already released; a lease is released once")
         lease._released = True
         self._live.discard(lease)
         bucket = lease._bucket
-        bucket.lease = None
         bucket.fence = fence
         lists = self._lists_for(bucket.dtype)
-        if fence is None or fence.is_completed():
+        if fence is None or fence_done(fence):
             self._recycle(lists, bucket)
         else:
             lists.fenced.append(bucket)
@@ -276,7 +291,7 @@ class BucketPool:
         """Wait for every pending fence, then recycle those buckets."""
         for lists in self._lists.values():
             while lists.fenced:
-                self._wait_oldest(lists)
+                self._wait_for(lists, lists.fenced[0])
 
     def stats(self) -> PoolStats:
         for lists in self._lists.values():
@@ -306,12 +321,11 @@ class BucketPool:
             raise InvalidArgumentError(f"numel must be a positive int, got {numel!r}")
         check_dtype(dtype)
 
-    def _check_cap(self, new_bytes: int, requested_bytes: int,
-                   shown_bytes: Optional[int] = None) -> None:
+    def _check_cap(self, new_bytes: int, what: str) -> None:
         cap = self.max_cached_bytes
         if cap is not None and self._stats.bytes_reserved + new_bytes > cap:
             raise PoolCapacityError(
-                f"acquire of {requested_bytes} bytes (bucket {shown_bytes or new_bytes} bytes) would exceed "
+                f"{what} would exceed "
                 f"max_cached_bytes={cap}: the pool already caches {self._stats.bytes_reserved} "
                 "bytes. Raise max_cached_bytes, release leases, or trim()")
 
@@ -339,28 +353,23 @@ class BucketPool:
         lists.free.remove(best)
         return best
 
-    def _grow_or_wait(self, lists: _FreeLists, numel: int, dtype) -> _Bucket:
+    def _grow(self, lists: _FreeLists, numel: int, dtype) -> _Bucket:
         capacity = self._capacity_for(numel, dtype)
         nbytes = capacity * itemsize(dtype)
-        in_flight = len(lists.fenced) + sum(1 for l in self._live if l.dtype == dtype)
-        at_bucket_cap = self.max_buckets_in_flight is not None \
-            and in_flight >= self.max_buckets_in_flight
+        what = f"acquire of {numel * itemsize(dtype)} bytes (bucket {nbytes} bytes)"
         cap = self.max_cached_bytes
-        over_bytes = cap is not None and self._stats.bytes_reserved + nbytes > cap
-        if (at_bucket_cap or over_bytes) and lists.fenced:
-            # Wait for fences oldest first until a large enough bucket is free.
-            while lists.fenced:
-                self._wait_oldest(lists)
-                bucket = self._take_free(lists, numel)
-                if bucket is not None:
-                    self._stats.reuses += 1
-                    return bucket
-        if over_bytes:
+        if cap is not None and self._stats.bytes_reserved + nbytes > cap:
+            fits = [b for b in lists.fenced if b.capacity >= numel]
+            if fits:
+                # Growing would pass the cap: wait for the smallest in-flight bucket that fits.
+                self._wait_for(lists, min(fits, key=lambda b: b.capacity))
+                self._stats.reuses += 1
+                return self._take_free(lists, numel)
             idle = sum(b.nbytes for l in self._lists.values() for b in l.free)
             # Refuse before evicting anything, so a refused acquire leaves the pool as it was.
-            self._check_cap(nbytes - idle, numel * itemsize(dtype), shown_bytes=nbytes)
+            self._check_cap(nbytes - idle, what)
             self._evict_idle(nbytes)
-        self._check_cap(nbytes, numel * itemsize(dtype))
+        self._check_cap(nbytes, what)
         return self._allocate(capacity, dtype)
 
     def _evict_idle(self, needed: int) -> None:
@@ -374,8 +383,9 @@ class BucketPool:
             self._stats.bytes_reserved -= bucket.nbytes
             self._stats.trimmed_bytes += bucket.nbytes
 
-    def _wait_oldest(self, lists: _FreeLists) -> None:
-        bucket = lists.fenced.pop(0)
+    def _wait_for(self, lists: _FreeLists, bucket: _Bucket) -> None:
+        """Block on ``bucket``'s fence (a stall), then recycle it."""
+        lists.fenced.remove(bucket)
         start = time.perf_counter()
         try:
             bucket.fence.wait()
@@ -389,13 +399,10 @@ class BucketPool:
         self._recycle(lists, bucket)
 
     def _reap(self, lists: _FreeLists) -> None:
-        still = []
-        for bucket in lists.fenced:
-            if bucket.fence.is_completed():
-                self._recycle(lists, bucket)
-            else:
-                still.append(bucket)
-        lists.fenced[:] = still
+        done = [b for b in lists.fenced if fence_done(b.fence)]
+        for bucket in done:
+            lists.fenced.remove(bucket)
+            self._recycle(lists, bucket)
 
     def _recycle(self, lists: _FreeLists, bucket: _Bucket) -> None:
         bucket.fence = None

@@ -28,13 +28,12 @@ from typing import Any, Optional, Sequence
 import mindspore as ms
 
 from gradpool import copy as gcopy
-from gradpool.comm import CommHandle, Communicator
+from gradpool.comm import CommHandle, Communicator, check_reduce_op
 from gradpool.errors import InvalidArgumentError, LeaseStateError
 from gradpool.layout import ReduceScatterLayout
-from gradpool.pool import BucketPool, Lease, check_dtype, itemsize
+from gradpool.pool import BucketPool, Lease, check_dtype, fence_done, itemsize
 
 logger = logging.getLogger(__name__)
-REDUCE_OPS = ("sum", "avg")
 
 
 @dataclass(frozen=True)
@@ -82,7 +81,6 @@ class ReduceResult:
 
     count: int
     launched: list[_Launched] = field(default_factory=list)
-    rank: int = 0
     _shards: Optional[list] = None
     _released: bool = False
     _error: Optional[BaseException] = None
@@ -119,7 +117,7 @@ class ReduceResult:
             return
         self._released = True
         for item in self.launched:
-            fence = None if _done(item.handle) else item.handle
+            fence = None if fence_done(item.handle) else item.handle
             if fence is not None and item.bucket.borrowed is not None:
                 # Released before its collective completed (no wait(), or another bucket's wait()
                 # failed): the borrow must outlive the collective still reading the caller's
@@ -145,13 +143,6 @@ class _BorrowFence:
         return self._handle.is_completed()
 
 
-def _done(handle: CommHandle) -> bool:
-    try:
-        return handle.is_completed()
-    except Exception:  # noqa: BLE001 - a broken handle is over as far as memory goes
-        return True
-
-
 class GradReducer:
     """Reduce-scatters (or all-reduces) gradients through pool-owned buckets."""
 
@@ -165,7 +156,7 @@ class GradReducer:
     def reduce_dtype_for(self, grad: ms.Tensor):
         return self.config.reduce_dtype if self.config.reduce_dtype is not None else grad.dtype
 
-    def _groups(self, grads: Sequence[ms.Tensor], world: int) -> list[tuple[Any, list[int]]]:
+    def _groups(self, grads: Sequence[ms.Tensor]) -> list[tuple[Any, list[int]]]:
         """Gradient indices per bucket: one each, or fused per reduce dtype up to the cap."""
         if not self.config.comm_fusion:
             return [(self.reduce_dtype_for(g), [i]) for i, g in enumerate(grads)]
@@ -195,7 +186,7 @@ class GradReducer:
                 f"shard_dims has {len(dims)} entries for {len(grads)} gradients; give one each")
         buckets = []
         try:
-            for dtype, indices in self._groups(grads, world):
+            for dtype, indices in self._groups(grads):
                 layout = ReduceScatterLayout.build(
                     [tuple(grads[i].shape) for i in indices], world,
                     self.pool.alignment_elements(dtype), [dims[i] for i in indices])
@@ -224,11 +215,13 @@ class GradReducer:
     def launch(self, buckets: list[PackedBucket], op: str = "avg", count: Optional[int] = None,
                all_reduce: bool = False) -> ReduceResult:
         """Start the collective of every bucket and release the inputs fenced on it."""
-        if op not in REDUCE_OPS:
+        try:
+            check_reduce_op(op)
+        except InvalidArgumentError:
             self.discard(buckets)
-            raise InvalidArgumentError(f"reduce op must be one of {REDUCE_OPS}, got {op!r}")
+            raise
         total = count if count is not None else sum(len(b.indices) for b in buckets)
-        result = ReduceResult(count=total, rank=self.comm.rank)
+        result = ReduceResult(count=total)
         for position, bucket in enumerate(buckets):
             try:
                 if all_reduce:
@@ -262,14 +255,12 @@ class GradReducer:
     # -- one-call forms -------------------------------------------------------------------------
     def reduce_scatter(self, grads: Sequence[ms.Tensor], shard_dims: Optional[Sequence[int]] = None,
                        op: str = "avg") -> ReduceResult:
-        if op not in REDUCE_OPS:
-            raise InvalidArgumentError(f"reduce op must be one of {REDUCE_OPS}, got {op!r}")
+        check_reduce_op(op)
         return self.launch(self.pack(grads, shard_dims), op=op, count=len(grads))
 
     def all_reduce(self, grads: Sequence[ms.Tensor], op: str = "avg") -> ReduceResult:
         """All-reduce whole gradients (replicated parameters) in pool buckets."""
-        if op not in REDUCE_OPS:
-            raise InvalidArgumentError(f"reduce op must be one of {REDUCE_OPS}, got {op!r}")
+        check_reduce_op(op)
         buckets = self.pack(grads, world_size=1, allow_borrow=False)
         return self.launch(buckets, op=op, count=len(grads), all_reduce=True)
 

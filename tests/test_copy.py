@@ -194,3 +194,18 @@ def test_foreign_lease_is_refused():
         pool.release(lease)
     assert f"issued by pool {other.pool_id}" in str(err.value)
     assert pool.stats() == before and not lease.released
+
+
+def test_accumulate_rounds_once_into_a_narrower_bucket():
+    """float32 micro-step gradients into a float16 bucket: added in float32, rounded once, on
+    both paths (values chosen so that rounding twice would differ)."""
+    rng = np.random.default_rng(11)
+    first, second = (rng.standard_normal(512).astype(np.float32) for _ in range(2))
+    layout = ReduceScatterLayout.build([(512,)], 1)
+    lease = BucketPool(alignment_bytes=4).acquire(512, ms.float16)
+    gcopy.pack(lease, [ms.Tensor(first)], layout)
+    gcopy.accumulate(lease, [ms.Tensor(second)], layout)
+    want = (first.astype(np.float16).astype(np.float32) + second).astype(np.float16)
+    twice = (first.astype(np.float16) + second.astype(np.float16)).astype(np.float16)
+    assert (want != twice).any(), "the data must tell the two roundings apart"
+    np.testing.assert_array_equal(lease.tensor.asnumpy(), want)

@@ -10,7 +10,8 @@ from mindspore import Parameter, mint, nn
 from gradpool.app.train import (build_sharded_model, gathered_params, train_reference,
                                 train_sharded)
 from gradpool.config import GradPoolConfig, from_dict
-from gradpool.errors import GradientIntegrityError, InvalidArgumentError
+from gradpool.comm import FaultInjectingCommunicator, SingleProcessCommunicator
+from gradpool.errors import GradientIntegrityError, InvalidArgumentError, PoolCapacityError
 from hyper_parallel import fully_shard, hsdp_sync_stream, init_device_mesh
 from hyper_parallel.core.device_mesh import DeviceMesh
 from hyper_parallel.core.fully_shard.api import HSDPModule, MixedPrecisionPolicy
@@ -111,14 +112,101 @@ def test_param_reduce_api_keeps_the_gradient_alive():
 
 def test_unshard_and_reshard_install_full_parameters():
     net = fully_shard(TwoLayer())
+    shard = net.trainable_params()[0]
     net.unshard()
-    assert "w" in net.__dict__ and tuple(net.__dict__["w"].shape) == (5, 4)
+    installed = net.__dict__["w"]      # at world size 1 the gathered parameter is the shard;
+    assert tuple(installed.shape) == (5, 4)   # the 2-rank cases check real gathers
+    np.testing.assert_array_equal(installed.asnumpy(), shard.asnumpy())
     net.reshard()
     assert "w" not in net.__dict__
 
 
-def test_hsdp_sync_stream_is_a_noop_when_idle():
+def test_hsdp_sync_stream_waits_for_fenced_buckets():
+    class Fence:
+        waited = False
+
+        def is_completed(self):
+            return self.waited
+
+        def wait(self):
+            self.waited = True
+
+    config = GradPoolConfig(alignment_bytes=8)
+    fully_shard(TwoLayer(), pool_config=config)
+    pool = runtime_for(config).pool
+    fence = Fence()
+    pool.acquire(16, ms.float32).release(fence)
+    assert pool.stats().fenced_buckets == 1
     hsdp_sync_stream()
+    assert fence.waited and pool.stats().fenced_buckets == 0
+    hsdp_sync_stream()                      # nothing in flight: returns at once
+
+
+class Tied(nn.Cell):
+    """One Parameter used by two cells (tied weights)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = TwoLayer(), TwoLayer()
+        self.b.w = self.a.w
+
+    def construct(self, x):
+        return mint.matmul(self.a(x), self.b(x).T)
+
+
+def test_tied_parameter_is_sharded_once_and_gets_both_uses_gradients():
+    x = ms.Tensor(np.ones((2, 4), np.float32))
+    ref = Tied()
+    _, ref_grads = _loss_and_grads(ref, x)
+    net = fully_shard(Tied())
+    assert [p.name for p in net.trainable_params()] == [p.name for p in ref.trainable_params()]
+    _, grads = _loss_and_grads(net, x)
+    for got, want in zip(grads, ref_grads):
+        np.testing.assert_allclose(got.asnumpy(), want.asnumpy(), rtol=1e-5)
+
+
+def test_tied_parameter_across_units_is_refused():
+    net = Tied()
+    fully_shard(net.a)
+    with pytest.raises(InvalidArgumentError) as err:
+        fully_shard(net)
+    assert "a.w" in str(err.value) and "tied" in str(err.value)
+
+
+def test_failed_reduce_leaves_no_lease_behind():
+    """A fused backward whose second group cannot get a bucket gives back the first group's."""
+    config = GradPoolConfig(max_cached_mib=100 / 2 ** 20, alignment_bytes=8)   # 100 bytes
+    net = TwoLayer()
+    fully_shard(net, comm_fusion=True, replicate_params={net.v}, pool_config=config)
+    with pytest.raises(PoolCapacityError):
+        _loss_and_grads(net, ms.Tensor(np.ones((2, 4), np.float32)))
+    pool = runtime_for(config).pool
+    net.zero_grad()
+    assert pool.stats().live_leases == 0
+
+
+def test_training_correct_when_collectives_complete_late(monkeypatch):
+    """Every collective completes 20 ms after launch: input buckets stay fenced while the next
+    gradients are packed, so the pool must hand out other buckets; with poison on, a reuse
+    before completion would turn the result NaN."""
+    from hyper_parallel.platform.mindspore.fully_shard import runtime as runtime_module
+    monkeypatch.setattr(runtime_module, "communicator_for", lambda device: (
+        FaultInjectingCommunicator(SingleProcessCommunicator(), delay_seconds=0.02)))
+    runtime_module.reset_runtimes()
+    cfg = from_dict({}, FIELD + ["train.steps=2", "fully_shard.comm_fusion=true",
+                                 "gradpool.buckets_in_flight=null"])
+    try:
+        model = build_sharded_model(cfg)
+        runtime = runtime_for(cfg.gradpool)
+        assert isinstance(runtime.comm, FaultInjectingCommunicator)
+        records = train_sharded(cfg, model, runtime.comm, runtime.pool)
+    finally:
+        runtime_module.reset_runtimes()
+    ref_losses, ref_params = train_reference(cfg, world=1)
+    np.testing.assert_allclose([r.loss for r in records], ref_losses, rtol=1e-6)
+    got = gathered_params(model)
+    for name, want in ref_params.items():
+        np.testing.assert_allclose(got[name], want, rtol=1e-6, atol=1e-7, err_msg=name)
 
 
 # -- bad input --------------------------------------------------------------------------------

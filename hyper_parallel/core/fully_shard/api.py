@@ -23,7 +23,7 @@ from hyper_parallel.core.fully_shard.utils import (CPUOffloadPolicy, MixedPrecis
                                                    OffloadPolicy)
 from hyper_parallel.platform.mindspore.fully_shard.param import MindSporeHSDPParamV2
 from hyper_parallel.platform.mindspore.fully_shard.runtime import all_runtimes, runtime_for
-from hyper_parallel.platform.mindspore.fully_shard.state import HSDPUnitState, live_units
+from hyper_parallel.platform.mindspore.fully_shard.state import HSDPUnitState
 
 __all__ = ["fully_shard", "HSDPModule", "hsdp_sync_stream", "MixedPrecisionPolicy",
            "OffloadPolicy", "CPUOffloadPolicy"]
@@ -55,7 +55,8 @@ class HSDPModule:
             unit.zero_grad()
 
     def unshard(self, async_op: bool = False) -> None:
-        """Gather every managed parameter into its cell (until ``reshard()``)."""
+        """Gather every managed parameter into its cells (until ``reshard()``). The gather is
+        synchronous; ``async_op`` is accepted for upstream compatibility."""
         if not isinstance(async_op, bool):
             raise InvalidArgumentError(f"async_op must be a bool, got {async_op!r}")
         for unit in self._hsdp_units():
@@ -67,9 +68,8 @@ class HSDPModule:
 
 
 def hsdp_sync_stream() -> None:
-    """Wait for every reduction still in flight (a no-op when nothing is)."""
-    for unit in live_units():
-        unit.wait()
+    """Wait for every reduction still in flight (a no-op when nothing is). A unit's reductions
+    complete inside its backward; what can remain are the pools' fenced buckets."""
     for runtime in all_runtimes():
         runtime.pool.wait_all()
 
@@ -81,8 +81,8 @@ def _check_dtype(name: str, dtype) -> None:
             f"mp_policy.{name} must be a floating dtype ({allowed}) or None, got {dtype}")
 
 
-def _validate(modules, mesh, mp_policy, offload_policy, world: int, reshard_after_forward,
-              comm_fusion) -> None:
+def _validate(modules, mp_policy, offload_policy, reshard_after_forward, comm_fusion,
+              pool_config) -> None:
     for module in modules:
         if not isinstance(module, nn.Cell):
             raise InvalidArgumentError(
@@ -103,6 +103,11 @@ def _validate(modules, mesh, mp_policy, offload_policy, world: int, reshard_afte
     for name, value in (("reshard_after_forward", reshard_after_forward), ("comm_fusion", comm_fusion)):
         if not isinstance(value, bool):
             raise InvalidArgumentError(f"{name} must be a bool, got {value!r}")
+    if not isinstance(pool_config, GradPoolConfig):
+        raise InvalidArgumentError(f"pool_config must be a GradPoolConfig, got {pool_config!r}")
+
+
+def _validate_mesh(mesh, world: int) -> None:
     if mesh is not None:
         if not isinstance(mesh, DeviceMesh):
             raise InvalidArgumentError(f"mesh must come from init_device_mesh, got {mesh!r}")
@@ -131,17 +136,21 @@ def _placement_dim(shard_placement_fn: Optional[Callable], param) -> int:
     return dim
 
 
-def _managed_params(module, ignored: set[int]):
-    """(cell, attribute, Parameter) for every trainable parameter no nested unit manages."""
-    seen = set()
+def _managed_params(module, ignored: set[int]) -> list:
+    """(Parameter, [(cell, attribute), ...]) for every trainable parameter of ``module`` that no
+    nested unit manages; a parameter tied into several cells is listed once with every owner."""
+    found: dict[int, tuple] = {}
     for _, cell in module.cells_and_names():
         for attr, param in list(cell._params.items()):   # pylint: disable=protected-access
-            if param is None or id(param) in seen or id(param) in ignored:
+            if param is None or id(param) in ignored or not param.requires_grad \
+                    or hasattr(param, "hsdp_param"):
                 continue
-            seen.add(id(param))
-            if not param.requires_grad or hasattr(param, "hsdp_param"):
-                continue
-            yield cell, attr, param
+            if hasattr(param, "hsdp_managed_by"):
+                raise InvalidArgumentError(
+                    f"parameter {param.name} is shared with a module another fully_shard call "
+                    "manages; tied parameters must be in one unit (shard their common parent)")
+            found.setdefault(id(param), (param, []))[1].append((cell, attr))
+    return list(found.values())
 
 
 def _extend_class(module) -> None:
@@ -167,11 +176,9 @@ def fully_shard(module: Union[nn.Cell, list], *, mesh: Optional[DeviceMesh] = No
     if not modules:
         raise InvalidArgumentError("fully_shard got an empty list of modules")
     config = pool_config if pool_config is not None else GradPoolConfig()
-    if not isinstance(config, GradPoolConfig):
-        raise InvalidArgumentError(f"pool_config must be a GradPoolConfig, got {config!r}")
-    runtime = runtime_for(config)
-    _validate(modules, mesh, mp_policy, offload_policy, runtime.comm.world_size,
-              reshard_after_forward, comm_fusion)
+    _validate(modules, mp_policy, offload_policy, reshard_after_forward, comm_fusion, config)
+    runtime = runtime_for(config)     # after validation: a refused call leaves nothing behind
+    _validate_mesh(mesh, runtime.comm.world_size)
     ignored = {id(p) for p in ignored_params or ()}
     replicated = {id(p) for p in replicate_params or ()}
     reducer = GradReducer(runtime.pool, runtime.comm, ReducerConfig(
@@ -179,14 +186,16 @@ def fully_shard(module: Union[nn.Cell, list], *, mesh: Optional[DeviceMesh] = No
         bucket_cap_mib=config.bucket_cap_mib, zero_copy=config.zero_copy))
     for mod in modules:
         params = []
-        for cell, attr, param in _managed_params(mod, ignored):
+        for param, owners in _managed_params(mod, ignored):
             is_replicated = id(param) in replicated
             managed = MindSporeHSDPParamV2(
-                cell, attr, param, rank=runtime.comm.rank, world_size=runtime.comm.world_size,
+                *owners[0], param, rank=runtime.comm.rank, world_size=runtime.comm.world_size,
                 shard_dim=0 if is_replicated else _placement_dim(shard_placement_fn, param),
                 replicate=is_replicated, mp_policy=mp_policy, reducer=reducer,
                 verify_gradients=config.verify_gradients)
-            cell._params[attr] = managed.sharded_param    # pylint: disable=protected-access
+            managed.owners = owners
+            for cell, attr in owners:
+                cell._params[attr] = managed.sharded_param    # pylint: disable=protected-access
             params.append(managed)
         _extend_class(mod)
         mod.__dict__["_hsdp_state"] = HSDPUnitState(mod, params, reducer, mp_policy,

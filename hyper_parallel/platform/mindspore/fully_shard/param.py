@@ -23,7 +23,9 @@ from mindspore import Parameter, mint
 
 from gradpool.errors import GradientIntegrityError, InvalidArgumentError
 from gradpool.layout import ReduceScatterLayout
-from gradpool.reducer import REDUCE_OPS, GradReducer, ReduceResult
+from gradpool.pool import writable_view
+from gradpool.comm import check_reduce_op
+from gradpool.reducer import GradReducer, ReduceResult
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +39,7 @@ class _GradFingerprint:
 
 
 def fingerprint(tensor: ms.Tensor) -> _GradFingerprint:
-    view = tensor.view(ms.int16) if tensor.dtype == ms.bfloat16 else tensor
-    data = np.ascontiguousarray(view.asnumpy())
+    data = np.ascontiguousarray(writable_view(tensor).asnumpy())
     return _GradFingerprint(tensor.untyped_storage().size(), hashlib.blake2b(data.tobytes()).hexdigest())
 
 
@@ -56,8 +57,8 @@ class MindSporeHSDPParamV2:
     def __init__(self, cell, attr_name: str, param: Parameter, *, rank: int, world_size: int,
                  shard_dim: int = 0, replicate: bool = False, mp_policy=None,
                  reducer: Optional[GradReducer] = None, verify_gradients: bool = False):
-        self.cell = cell
-        self.attr_name = attr_name
+        # Every (cell, attribute) that holds this parameter: tied weights share one shard.
+        self.owners: list[tuple[Any, str]] = [(cell, attr_name)]
         self.name = param.name
         self.orig_shape = tuple(param.shape)
         self.orig_dtype = param.dtype
@@ -77,6 +78,7 @@ class MindSporeHSDPParamV2:
             [self.orig_shape], world_size, 1, [shard_dim]).slots[0]
         self.sharded_param = self._make_local(param)
         self.sharded_param.main_grad = None
+        param.hsdp_managed_by = self      # the original, so another unit will not shard it again
         self._grad: Optional[ms.Tensor] = None
         self._fingerprint: Optional[_GradFingerprint] = None
         self._slot: Optional[ReduceSlot] = None
@@ -153,8 +155,7 @@ class MindSporeHSDPParamV2:
 
         ``output_buffer`` is accepted for upstream compatibility; the output always lives in a
         pool bucket, so a given buffer is refused rather than silently ignored."""
-        if reduce_op not in REDUCE_OPS:
-            raise InvalidArgumentError(f"reduce_op must be one of {REDUCE_OPS}, got {reduce_op!r}")
+        check_reduce_op(reduce_op)
         if output_buffer is not None:
             raise InvalidArgumentError(
                 "output_buffer is not supported: reduce outputs are pool buckets; pass None")

@@ -14,19 +14,17 @@ next synchronized backward adds its own gradients and reduces the buckets once.
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Optional
 
 import mindspore as ms
 from mindspore import mint
 from mindspore.common._grad_function import _Function
 
-from gradpool.reducer import GradReducer, PackedBucket, REDUCE_OPS
-from gradpool.errors import InvalidArgumentError
+from gradpool.comm import check_reduce_op
+from gradpool.reducer import GradReducer, PackedBucket
 from hyper_parallel.platform.mindspore.fully_shard.param import MindSporeHSDPParamV2
 
 logger = logging.getLogger(__name__)
-_LIVE_UNITS: "weakref.WeakSet[HSDPUnitState]" = weakref.WeakSet()
 
 
 def _make_gather_function(unit: "HSDPUnitState"):
@@ -56,19 +54,9 @@ class HSDPUnitState:
         self.reduce_op = "avg"
         self._pending: Optional[tuple[list[PackedBucket], list[PackedBucket]]] = None
         self._gather = _make_gather_function(self)
-        self._installed = False
         if params:
             module.register_forward_pre_hook(self._pre_forward)
         module.register_forward_hook(self._post_forward)
-        _LIVE_UNITS.add(self)
-
-    @property
-    def sharded(self) -> list[MindSporeHSDPParamV2]:
-        return [p for p in self.params if not p.replicate]
-
-    @property
-    def replicated(self) -> list[MindSporeHSDPParamV2]:
-        return [p for p in self.params if p.replicate]
 
     # -- forward ----------------------------------------------------------------------------------
     def _pre_forward(self, cell, inputs):
@@ -95,13 +83,13 @@ class HSDPUnitState:
         for param, full in zip(self.params, fulls):
             # An instance attribute is found before Cell.__getattr__ looks in _params, so the
             # cell's construct reads the gathered tensor while trainable_params() stays sharded.
-            param.cell.__dict__[param.attr_name] = full
-        self._installed = True
+            for cell, attr in param.owners:
+                cell.__dict__[attr] = full
 
     def uninstall(self) -> None:
         for param in self.params:
-            param.cell.__dict__.pop(param.attr_name, None)
-        self._installed = False
+            for cell, attr in param.owners:
+                cell.__dict__.pop(attr, None)
 
     def unshard(self) -> None:
         self._install([p.unsharded(p.sharded_param) for p in self.params])
@@ -129,50 +117,72 @@ class HSDPUnitState:
         replicated = [(i, p) for i, p in enumerate(self.params) if p.replicate]
         return sharded, replicated
 
-    def _accumulate(self, grads) -> None:
+    def _pack(self, grads, for_accumulation: bool) -> tuple[list, list]:
+        """Pack the sharded and the replicated gradients; on failure give back what was packed."""
         sharded, replicated = self._split()
-        s_grads = [grads[i] for i, _ in sharded]
-        r_grads = [grads[i] for i, _ in replicated]
+        packed: tuple[list, list] = ([], [])
+        try:
+            if sharded:
+                packed[0].extend(self.reducer.pack(
+                    [grads[i] for i, _ in sharded], [p.shard_dim for _, p in sharded],
+                    allow_borrow=not for_accumulation))
+            if replicated:
+                packed[1].extend(self.reducer.pack([grads[i] for i, _ in replicated],
+                                                   world_size=1, allow_borrow=False))
+        except BaseException:
+            self._discard(packed)
+            raise
+        return packed
+
+    def _discard(self, packed) -> None:
+        for buckets in packed:
+            self.reducer.discard(buckets)
+
+    def _accumulate(self, grads) -> None:
         if self._pending is None:
-            self._pending = (
-                self.reducer.pack(s_grads, [p.shard_dim for _, p in sharded], allow_borrow=False)
-                if s_grads else [],
-                self.reducer.pack(r_grads, world_size=1, allow_borrow=False) if r_grads else [])
+            self._pending = self._pack(grads, for_accumulation=True)
         else:
-            self.reducer.accumulate(self._pending[0], s_grads)
-            self.reducer.accumulate(self._pending[1], r_grads)
+            sharded, replicated = self._split()
+            try:
+                self.reducer.accumulate(self._pending[0], [grads[i] for i, _ in sharded])
+                self.reducer.accumulate(self._pending[1], [grads[i] for i, _ in replicated])
+            except BaseException:
+                self._discard(self._pending)
+                self._pending = None
+                raise
         for param in self.params:
             param.finish_local_use()
 
     def _launch_pending(self, grads) -> None:
         self._accumulate(grads)
-        sharded_buckets, replicated_buckets = self._pending
-        self._pending = None
-        self._attach(sharded_buckets, replicated_buckets)
+        pending, self._pending = self._pending, None
+        self._attach(*pending)
 
     def _launch_fused(self, grads) -> None:
-        sharded, replicated = self._split()
-        s_buckets = self.reducer.pack([grads[i] for i, _ in sharded],
-                                      [p.shard_dim for _, p in sharded]) if sharded else []
-        r_buckets = self.reducer.pack([grads[i] for i, _ in replicated], world_size=1,
-                                      allow_borrow=False) if replicated else []
-        self._attach(s_buckets, r_buckets)
+        self._attach(*self._pack(grads, for_accumulation=False))
 
     def _attach(self, sharded_buckets, replicated_buckets) -> None:
+        """Launch both groups; each parameter adopts its entry of its group's result. A launch
+        that fails has given its own buckets back; the other group's are given back here."""
         sharded, replicated = self._split()
-        for members, buckets, all_reduce in ((sharded, sharded_buckets, False),
-                                             (replicated, replicated_buckets, True)):
-            if not members:
-                continue
-            result = self.reducer.launch(buckets, op=self.reduce_op, count=len(members),
-                                         all_reduce=all_reduce)
-            for index, (_, param) in enumerate(members):
+        if sharded:
+            try:
+                result = self.reducer.launch(sharded_buckets, op=self.reduce_op,
+                                             count=len(sharded))
+            except BaseException:
+                self.reducer.discard(replicated_buckets)
+                raise
+            for index, (_, param) in enumerate(sharded):
+                param.attach_result(result, index)
+        if replicated:
+            result = self.reducer.launch(replicated_buckets, op=self.reduce_op,
+                                         count=len(replicated), all_reduce=True)
+            for index, (_, param) in enumerate(replicated):
                 param.attach_result(result, index)
 
     # -- controls ---------------------------------------------------------------------------------
     def set_reduce_op(self, op: str) -> None:
-        if op not in REDUCE_OPS:
-            raise InvalidArgumentError(f"reduce op type must be one of {REDUCE_OPS}, got {op!r}")
+        check_reduce_op(op)
         self.reduce_op = op
 
     def zero_grad(self) -> None:
@@ -182,14 +192,6 @@ class HSDPUnitState:
             self._pending = None
         for param in self.params:
             param.zero_grad()
-
-    def wait(self) -> None:
-        """Nothing of a unit is left in flight after its backward; the pool's fences may be."""
-        self.reducer.pool.wait_all()
-
-
-def live_units() -> list[HSDPUnitState]:
-    return list(_LIVE_UNITS)
 
 
 def _cast_floating(value, dtype):
