@@ -250,3 +250,48 @@ def test_bad_pool_options(kwargs):
 
 def test_pool_device_defaults_to_the_device_target():
     assert BucketPool().device == "CPU"
+
+
+class BreakableFence(ManualFence):
+    """A handle whose is_completed() starts raising once ``broken`` (a failed communicator)."""
+
+    broken = False
+
+    def is_completed(self):
+        if self.broken:
+            raise RuntimeError("handle is broken")
+        return super().is_completed()
+
+
+@pytest.mark.parametrize("when", ["at release", "while fenced"])
+def test_a_fence_that_raises_is_treated_as_completed(when):
+    pool = BucketPool()
+    first = pool.acquire(64, ms.float32)
+    ptr = first.tensor.untyped_storage().data_ptr()
+    fence = BreakableFence()
+    fence.broken = when == "at release"
+    first.release(fence)
+    fence.broken = True
+    second = pool.acquire(64, ms.float32)        # recycled, not lost nor listed twice
+    assert second.tensor.untyped_storage().data_ptr() == ptr
+    s = pool.stats()
+    assert (s.new_allocations, s.fenced_buckets, s.free_buckets, s.live_leases) == (1, 0, 0, 1)
+    second.release()
+
+
+def test_in_flight_bound_ignores_live_leases_and_waits_only_at_the_bound():
+    pool = BucketPool(max_buckets_in_flight=2)
+    held = [pool.acquire(64, ms.float32) for _ in range(3)]   # live (e.g. outputs): no bound
+    fences = [ManualFence(), ManualFence()]
+    extra = [pool.acquire(128, ms.float32) for _ in range(2)]
+    extra[0].release(fences[0])
+    assert pool.stats().stalls == 0
+    pool.acquire(16, ms.float32).release()                   # one fenced: below the bound
+    assert pool.stats().stalls == 0 and fences[0].waits == 0
+    extra[1].release(fences[1])                              # two fenced: at the bound
+    pool.acquire(16, ms.float32).release()
+    s = pool.stats()
+    assert s.stalls == 1 and fences[0].waits == 1 and fences[1].waits == 0
+    assert s.fenced_buckets == 1
+    for lease in held:
+        lease.release()
