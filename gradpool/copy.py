@@ -27,7 +27,6 @@ import time
 from typing import Sequence
 
 import mindspore as ms
-import numpy as np
 from mindspore import mint
 
 from gradpool.device import synchronize
@@ -37,7 +36,7 @@ from gradpool.pool import Lease, check_dtype, itemsize, writable_view
 
 
 HOST_COPIES = True
-_HOST_DTYPES = {ms.float32: np.float32, ms.float16: np.float16}
+_HOST_DTYPES = (ms.float32, ms.float16)      # the dtypes NumPy can write in place
 
 
 def pack(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout) -> None:
@@ -118,7 +117,8 @@ def _account(lease: Lease, layout: ReduceScatterLayout, start: float, padding: b
                            padding_bytes=layout.padding_numel * size if padding else 0)
 
 
-def _flat(tensor: ms.Tensor) -> ms.Tensor:
+def flat_view(tensor: ms.Tensor) -> ms.Tensor:
+    """``tensor`` as 1-D (itself when already 1-D: a view op costs a dispatch on CPU)."""
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
     return tensor.view(tensor.numel()) if tensor.ndim != 1 else tensor
@@ -135,7 +135,7 @@ def _rows(grad: ms.Tensor, slot: GradSlot) -> ms.Tensor:
     world = slot.world_size
     pad = slot.chunk_size * world - slot.shape[slot.shard_dim]
     if slot.shard_dim == 0:
-        flat = _flat(grad)
+        flat = flat_view(grad)
         if pad:
             flat = mint.cat([flat, _zeros((pad * slot.chunk_numel // slot.chunk_size,), grad.dtype)])
         return flat.view(world, slot.chunk_numel)
@@ -154,7 +154,7 @@ def _rows(grad: ms.Tensor, slot: GradSlot) -> ms.Tensor:
 def _assemble(grads: Sequence[ms.Tensor], layout: ReduceScatterLayout) -> ms.Tensor:
     """The bucket's content as one flat tensor (the gradient itself for an identity layout)."""
     if layout.is_identity():
-        return _flat(grads[0])
+        return flat_view(grads[0])
     dtypes = {g.dtype for g in grads}
     dtype = dtypes.pop() if len(dtypes) == 1 else ms.float32   # mixed: cat needs one dtype
     grads = [g if g.dtype == dtype else g.astype(dtype) for g in grads]

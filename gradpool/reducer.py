@@ -194,7 +194,7 @@ class GradReducer:
                 if allow_borrow and self._can_borrow(members, layout, dtype):
                     self.borrows += 1
                     buckets.append(PackedBucket(indices, layout, dtype,
-                                                borrowed=members[0].view(layout.total_numel)))
+                                                borrowed=gcopy.flat_view(members[0])))
                     continue
                 lease = self.pool.acquire(layout.total_numel, dtype)
                 buckets.append(PackedBucket(indices, layout, dtype, lease=lease))
