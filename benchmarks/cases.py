@@ -58,7 +58,7 @@ def make_copy(case: CopyCase) -> Callable[[], None]:
     import mindspore as ms
     from mindspore import mint
 
-    from gradpool import copy as gcopy
+    from gradpool import pack as packing
     from gradpool.device import synchronize
     from gradpool.layout import ReduceScatterLayout
     from gradpool.pool import BucketPool
@@ -77,7 +77,7 @@ def make_copy(case: CopyCase) -> Callable[[], None]:
 
         def run():
             lease = pool.acquire(layout.total_numel, bucket_dtype)
-            gcopy.pack(lease, grads, layout)
+            packing.pack(lease, grads, layout, host=True)
             synchronize()
             lease.release()
         run.pool = pool
@@ -146,7 +146,7 @@ def reduce_cases(world_size: int = 1) -> list[ReduceCase]:
 def model_grad_shapes(model_config=None) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every trainable parameter of TinyDeepSeekV3 (default ModelConfig)."""
     from gradpool.app.model import TinyDeepSeekV3
-    from gradpool.config import ModelConfig
+    from gradpool.app.config import ModelConfig
     model = TinyDeepSeekV3(model_config or ModelConfig())
     return [(p.name, tuple(p.shape)) for p in model.trainable_params()]
 

@@ -99,7 +99,7 @@ def _run_local_suites(results: dict, options: RunOptions, show: bool = True) -> 
 def _launch_ranks(options: RunOptions) -> list:
     """Run ``reduce-dist`` on ``options.nproc`` ranks under msrun; rank 0's reduce rows."""
     from gradpool.errors import LaunchError
-    from gradpool.launch import run_ranks
+    from gradpool.app.launch import run_ranks
 
     work = Path(tempfile.mkdtemp(prefix="gradpool-bench-"))
     part = work / "ranks.json"

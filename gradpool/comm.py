@@ -7,31 +7,29 @@ Three backends behind one :class:`Communicator` interface:
   MindSpore 2.10 runs on CPU (``ops.AllReduce`` / ``ops.AllGather`` called under ``@ms.jit``);
 * :class:`AscendHcclCommunicator`: ``mindspore.mint.distributed`` over HCCL, with real async handles.
 
-:class:`FaultInjectingCommunicator` wraps any of them to delay completion or fail ``wait()``.
+:mod:`gradpool.testing` wraps any of them to delay completion or fail ``wait()``.
 
 Every tensor is a flat 1-D tensor of float32, float16 or bfloat16. Outputs may be pool lease
 tensors, i.e. a prefix view (``bucket[0:n]``) of a larger allocation: on the CPU backend
 ``copy_`` into such a view raises ("InplaceCopy ... unexpected kernel", it sees the whole
 storage) or, into a view at a non-zero offset, silently does nothing, and ``add_``/``div_`` are
 out-of-place. So every result is computed out-of-place and written with slice-assignment through
-:func:`gradpool.pool.writable_view` (see :func:`write_into`).
+:func:`gradpool.dtypes.overwrite`.
 """
 from __future__ import annotations
 
 import abc
-import collections
 import functools
 import logging
 import os
-import time
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
 import mindspore as ms
 from mindspore import mint, ops
 
 from gradpool.device import SUPPORTED_DEVICES, device_target, synchronize
+from gradpool.dtypes import check_dtype, overwrite
 from gradpool.errors import CommError, InvalidArgumentError
-from gradpool.pool import check_dtype, writable_view
 
 logger = logging.getLogger(__name__)
 
@@ -109,17 +107,6 @@ class _WrappedHandle(CommHandle):
 
 
 # -- helpers -----------------------------------------------------------------------------------
-def write_into(output: ms.Tensor, result: ms.Tensor) -> None:
-    """Overwrite ``output`` with ``result`` (cast to ``output``'s dtype).
-
-    Slice-assignment is the one write that lands in a prefix view of a bucket on CPU (where
-    ``copy_`` into a view is silently dropped) and on Ascend alike; bfloat16 goes through the int16
-    view because slice-assignment into bfloat16 raises on CPU."""
-    if result.dtype != output.dtype:
-        result = result.astype(output.dtype)
-    writable_view(output)[:] = writable_view(result)
-
-
 def check_reduce_op(op: str) -> None:
     if op not in REDUCE_OPS:
         raise InvalidArgumentError(
@@ -235,7 +222,7 @@ class SingleProcessCommunicator(Communicator):
     @staticmethod
     def _copy(output, input) -> CommHandle:
         if output is not input:
-            write_into(output, input)
+            overwrite(output, input)
             synchronize()
         return CompletedHandle()
 
@@ -325,7 +312,7 @@ class CpuMcclCommunicator(_GroupCommunicator):
 
     @staticmethod
     def _finish(output: ms.Tensor, result: ms.Tensor) -> CommHandle:
-        write_into(output, result)
+        overwrite(output, result)
         synchronize()
         return CompletedHandle()
 
@@ -381,92 +368,12 @@ class AscendHcclCommunicator(_GroupCommunicator):
         return "sum" if op == "avg" and not self.native_avg else op
 
     def _handle(self, name: str, handle, output, divide: bool) -> CommHandle:
-        after = (lambda: write_into(output, mint.div(output, self._world))) if divide else None
+        after = (lambda: overwrite(output, mint.div(output, self._world))) if divide else None
         if handle is None:          # async_op=False: already ordered on the stream
             if after is not None:
                 after()
             return CompletedHandle()
         return _WrappedHandle(handle, f"{name} on rank {self._rank}", after)
-
-
-# -- fault injection (tests) -------------------------------------------------------------------
-class _DelayedHandle(CommHandle):
-    """Completes ``delay`` seconds after launch (the data is already written), then maybe fails."""
-
-    def __init__(self, inner: CommHandle, ready_at: float, error: Optional[BaseException]):
-        self._inner = inner
-        self._ready_at = ready_at
-        self._error = error
-        self._waited = False
-
-    def wait(self) -> None:
-        remaining = self._ready_at - time.monotonic()
-        if remaining > 0:
-            time.sleep(remaining)
-        try:
-            self._inner.wait()
-        finally:
-            self._waited = True
-        if self._error is not None:
-            raise self._error
-
-    def is_completed(self) -> bool:
-        return self._waited or (time.monotonic() >= self._ready_at and self._inner.is_completed())
-
-
-class FaultInjectingCommunicator(Communicator):
-    """Wraps a communicator for tests: the collective's result is written as usual, but its handle
-    reports not-completed until ``delay_seconds`` after launch (``wait()`` blocks until then), and
-    with ``fail_wait`` (an exception instance, or True for a :class:`CommError`) ``wait()`` raises
-    it, after which the handle counts as completed. ``launches`` counts every collective launched,
-    ``launch_counts`` per collective name."""
-
-    def __init__(self, inner: Communicator, delay_seconds: float = 0.0,
-                 fail_wait: Union[BaseException, bool, None] = None):
-        if not isinstance(delay_seconds, (int, float)) or delay_seconds < 0:
-            raise InvalidArgumentError(
-                f"delay_seconds must be a number >= 0, got {delay_seconds!r}")
-        if not (fail_wait is None or isinstance(fail_wait, (bool, BaseException))):
-            raise InvalidArgumentError(
-                f"fail_wait must be an exception instance, True or None, got {fail_wait!r}")
-        self.inner = inner
-        self.delay_seconds = float(delay_seconds)
-        self.fail_wait = fail_wait
-        self.launch_counts: collections.Counter = collections.Counter()
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.inner.world_size
-
-    @property
-    def launches(self) -> int:
-        return sum(self.launch_counts.values())
-
-    def _reduce_scatter(self, output, input, op, async_op) -> CommHandle:
-        return self._launch("reduce_scatter", self.inner.reduce_scatter, output, input, op,
-                            async_op)
-
-    def _all_gather(self, output, input, async_op) -> CommHandle:
-        return self._launch("all_gather", self.inner.all_gather, output, input, async_op)
-
-    def _all_reduce(self, tensor, op, async_op) -> CommHandle:
-        return self._launch("all_reduce", self.inner.all_reduce, tensor, op, async_op)
-
-    def _launch(self, name: str, collective: Callable[..., CommHandle], *args) -> CommHandle:
-        self.launch_counts[name] += 1      # counted before launch: a launch that raises counts
-        inner = collective(*args)
-        return _DelayedHandle(inner, time.monotonic() + self.delay_seconds,
-                              self._error_for(name))
-
-    def _error_for(self, name: str) -> Optional[BaseException]:
-        if self.fail_wait is True:
-            return CommError(f"injected failure of {name} launch #{self.launch_counts[name]} "
-                             "(FaultInjectingCommunicator(fail_wait=True))")
-        return self.fail_wait if isinstance(self.fail_wait, BaseException) else None
 
 
 # -- choosing a backend ------------------------------------------------------------------------

@@ -22,8 +22,13 @@ from gradpool.errors import InvalidArgumentError
 Shape = tuple[int, ...]
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
+def ceil_div(value: int, divisor: int) -> int:
+    return -(-value // divisor)
+
+
+def round_up(value: int, multiple: int) -> int:
+    """``value`` rounded up to a multiple of ``multiple`` (bucket sizes, aligned offsets)."""
+    return ceil_div(value, multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,12 @@ class GradSlot:
     chunk_size: int      # length of the shard dim in one rank's chunk (ceil(d / W))
     offset: int          # where this gradient's chunk starts inside each row
     world_size: int
+
+    @classmethod
+    def of(cls, shape: Sequence[int], world_size: int, shard_dim: int = 0) -> "GradSlot":
+        """The chunk geometry of one tensor of ``shape`` sharded ``world_size`` ways on
+        ``shard_dim`` (a parameter's shard, independent of any bucket)."""
+        return ReduceScatterLayout.build([shape], world_size, 1, [shard_dim]).slots[0]
 
     @property
     def numel(self) -> int:
@@ -104,14 +115,14 @@ class ReduceScatterLayout:
             if not 0 <= dim < len(shape):
                 raise InvalidArgumentError(
                     f"gradient {index} of shape {shape} cannot be sharded on dim {dim}")
-            cursor = _round_up(cursor, alignment)
+            cursor = round_up(cursor, alignment)
             slot = GradSlot(index=index, shape=shape, shard_dim=dim,
-                            chunk_size=-(-shape[dim] // world_size), offset=cursor,
+                            chunk_size=ceil_div(shape[dim], world_size), offset=cursor,
                             world_size=world_size)
             slots.append(slot)
             cursor += slot.chunk_numel
         return cls(world_size=world_size, alignment=alignment, slots=tuple(slots),
-                   row_numel=_round_up(cursor, alignment))
+                   row_numel=round_up(cursor, alignment))
 
     @property
     def total_numel(self) -> int:

@@ -31,13 +31,13 @@ import mindspore as ms
 from mindspore import mint
 
 from gradpool.device import SUPPORTED_DEVICES, device_target
+from gradpool.dtypes import check_dtype, itemsize, nan_fill, writable_view
 from gradpool.errors import (ForeignLeaseError, InvalidArgumentError, LeaseStateError,
-                             PoolCapacityError, UnsupportedDtypeError)
+                             PoolCapacityError)
+from gradpool.layout import round_up
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_DTYPES = (ms.float32, ms.float16, ms.bfloat16)
-_ITEMSIZE = {ms.float32: 4, ms.float16: 2, ms.bfloat16: 2}
 _pool_ids = itertools.count(1)
 
 
@@ -47,17 +47,6 @@ class Fence(Protocol):
     def wait(self) -> Any: ...
 
     def is_completed(self) -> bool: ...
-
-
-def check_dtype(dtype) -> None:
-    if dtype not in SUPPORTED_DTYPES:
-        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
-        raise UnsupportedDtypeError(f"dtype {dtype} is not supported; supported dtypes: {names}")
-
-
-def itemsize(dtype) -> int:
-    check_dtype(dtype)
-    return _ITEMSIZE[dtype]
 
 
 @dataclass
@@ -94,7 +83,7 @@ class _Bucket:
 
     @property
     def nbytes(self) -> int:
-        return self.capacity * _ITEMSIZE[self.dtype]
+        return self.capacity * itemsize(self.dtype)
 
 
 def fence_done(fence: Fence) -> bool:
@@ -108,19 +97,6 @@ def fence_done(fence: Fence) -> bool:
 def _release_storage(bucket: _Bucket) -> None:
     """The only place gradpool releases storage; it takes a pool record, never a caller tensor."""
     bucket.tensor.untyped_storage().resize_(0)
-
-
-def _nan_bits(dtype):
-    """A value that, written through ``writable_view``, makes every element NaN."""
-    return 0x7FC0 if dtype == ms.bfloat16 else float("nan")
-
-
-def writable_view(tensor: ms.Tensor) -> ms.Tensor:
-    """A view of ``tensor`` that slice-assignment can write on every backend.
-
-    On the CPU backend slice-assignment into bfloat16 raises ("type_id:45 is invalid"), so
-    bfloat16 is written through an int16 view of the same storage (a bit-exact copy)."""
-    return tensor.view(ms.int16) if tensor.dtype == ms.bfloat16 else tensor
 
 
 class Lease:
@@ -153,7 +129,7 @@ class Lease:
     @property
     def allocation(self) -> ms.Tensor:
         """The whole flat allocation ``.tensor`` is the prefix of. For writers that address host
-        memory directly (``gradpool.copy``); only ``[0, numel)`` belongs to this lease."""
+        memory directly (``gradpool.pack``); only ``[0, numel)`` belongs to this lease."""
         self.tensor  # noqa: B018 - raises on a released lease
         return self._bucket.tensor
 
@@ -164,7 +140,7 @@ class Lease:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _ITEMSIZE[self.dtype]
+        return self.numel * itemsize(self.dtype)
 
     def release(self, fence: Optional[Fence] = None) -> None:
         """Give the bucket back; it is reused only after ``fence`` (None: already done) completes."""
@@ -301,21 +277,13 @@ class BucketPool:
                        fenced_buckets=sum(len(l.fenced) for l in self._lists.values()),
                        free_buckets=sum(len(l.free) for l in self._lists.values()))
 
-    def record_copy(self, lease: Lease, nbytes: int, seconds: float, padding_bytes: int) -> None:
-        """Account a copy into ``lease`` (called by ``gradpool.copy``)."""
-        self._check_own(lease)
+    def record_copy(self, nbytes: int, seconds: float, padding_bytes: int) -> None:
+        """Account ``nbytes`` written into this pool's buckets (the reducer calls it per pack)."""
         self._stats.bytes_copied += nbytes
         self._stats.copy_seconds += seconds
         self._stats.padding_bytes += padding_bytes
 
     # -- internals ----------------------------------------------------------------------------
-    def _check_own(self, lease: Lease) -> None:
-        if not isinstance(lease, Lease) or lease.pool is not self:
-            raise ForeignLeaseError(
-                f"{lease!r} was not issued by this pool ({self.pool_id}); use the issuing pool")
-        if lease.released:
-            raise LeaseStateError(f"{lease!r} was released; acquire a new lease")
-
     def _check_request(self, numel, dtype) -> None:
         if not isinstance(numel, int) or isinstance(numel, bool) or numel <= 0:
             raise InvalidArgumentError(f"numel must be a positive int, got {numel!r}")
@@ -330,8 +298,7 @@ class BucketPool:
                 "bytes. Raise max_cached_bytes, release leases, or trim()")
 
     def _capacity_for(self, numel: int, dtype) -> int:
-        align = self.alignment_elements(dtype)
-        return -(-numel // align) * align
+        return round_up(numel, self.alignment_elements(dtype))
 
     def _lists_for(self, dtype) -> _FreeLists:
         return self._lists.setdefault((dtype, self.device), _FreeLists())
@@ -407,5 +374,5 @@ class BucketPool:
     def _recycle(self, lists: _FreeLists, bucket: _Bucket) -> None:
         bucket.fence = None
         if self.poison_on_release:
-            writable_view(bucket.tensor)[:] = _nan_bits(bucket.dtype)
+            writable_view(bucket.tensor)[:] = nan_fill(bucket.dtype)
         lists.free.append(bucket)

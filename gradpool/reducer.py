@@ -22,28 +22,34 @@ Lifetimes:
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import mindspore as ms
 
-from gradpool import copy as gcopy
+from gradpool import pack as packing
 from gradpool.comm import CommHandle, Communicator, check_reduce_op
+from gradpool.device import synchronize
+from gradpool.dtypes import check_dtype, itemsize
 from gradpool.errors import InvalidArgumentError, LeaseStateError
 from gradpool.layout import ReduceScatterLayout
-from gradpool.pool import BucketPool, Lease, check_dtype, fence_done, itemsize
+from gradpool.pool import BucketPool, Lease, fence_done
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ReducerConfig:
-    """How gradients are reduced. ``reduce_dtype=None`` reduces in each gradient's own dtype."""
+    """How gradients are reduced. ``reduce_dtype=None`` reduces in each gradient's own dtype.
+    ``host_copies``: pack with NumPy through host memory where that applies (CPU pools, NumPy
+    dtypes); False forces the device path, which is the one Ascend takes."""
 
     reduce_dtype: Any = None
     comm_fusion: bool = False
     bucket_cap_mib: float = 25.0
     zero_copy: bool = False
+    host_copies: bool = True
 
     def __post_init__(self):
         if self.reduce_dtype is not None:
@@ -105,7 +111,7 @@ class ReduceResult:
             shards: list = [None] * self.count
             for item in self.launched:
                 item.bucket.borrowed = None          # the borrow ends with the collective
-                views = gcopy.shard_views(item.output.tensor, item.bucket.layout)
+                views = packing.shard_views(item.output.tensor, item.bucket.layout)
                 for index, view in zip(item.bucket.indices, views):
                     shards[index] = view
             self._shards = shards
@@ -175,30 +181,27 @@ class GradReducer:
             current[1] += nbytes
         return groups
 
-    # -- pack / accumulate / launch ---------------------------------------------------------------
-    def pack(self, grads: Sequence[ms.Tensor], shard_dims: Optional[Sequence[int]] = None,
-             world_size: Optional[int] = None, allow_borrow: bool = True) -> list[PackedBucket]:
-        """Lease buckets and copy ``grads`` in (or borrow them, with zero-copy where allowed)."""
+    def _plan(self, grads: Sequence[ms.Tensor], shard_dims: Optional[Sequence[int]],
+              world_size: Optional[int]) -> list[tuple[Any, list[int], ReduceScatterLayout]]:
+        """``(dtype, gradient indices, layout)`` per bucket, all validated before any lease."""
         world = self.comm.world_size if world_size is None else world_size
         dims = list(shard_dims) if shard_dims is not None else [0] * len(grads)
         if len(dims) != len(grads):
             raise InvalidArgumentError(
                 f"shard_dims has {len(dims)} entries for {len(grads)} gradients; give one each")
+        return [(dtype, indices, ReduceScatterLayout.build(
+                    [tuple(grads[i].shape) for i in indices], world,
+                    self.pool.alignment_elements(dtype), [dims[i] for i in indices]))
+                for dtype, indices in self._groups(grads)]
+
+    # -- pack / accumulate / launch ---------------------------------------------------------------
+    def pack(self, grads: Sequence[ms.Tensor], shard_dims: Optional[Sequence[int]] = None,
+             world_size: Optional[int] = None, allow_borrow: bool = True) -> list[PackedBucket]:
+        """Lease buckets and copy ``grads`` in (or borrow them, with zero-copy where allowed)."""
         buckets = []
         try:
-            for dtype, indices in self._groups(grads):
-                layout = ReduceScatterLayout.build(
-                    [tuple(grads[i].shape) for i in indices], world,
-                    self.pool.alignment_elements(dtype), [dims[i] for i in indices])
-                members = [grads[i] for i in indices]
-                if allow_borrow and self._can_borrow(members, layout, dtype):
-                    self.borrows += 1
-                    buckets.append(PackedBucket(indices, layout, dtype,
-                                                borrowed=gcopy.flat_view(members[0])))
-                    continue
-                lease = self.pool.acquire(layout.total_numel, dtype)
-                buckets.append(PackedBucket(indices, layout, dtype, lease=lease))
-                gcopy.pack(lease, members, layout)
+            for dtype, indices, layout in self._plan(grads, shard_dims, world_size):
+                buckets.append(self._pack_one(grads, dtype, indices, layout, allow_borrow))
         except BaseException:
             self.discard(buckets)
             raise
@@ -210,7 +213,8 @@ class GradReducer:
             if bucket.lease is None:
                 raise LeaseStateError("cannot accumulate into a borrowed gradient; pack with "
                                       "allow_borrow=False for gradient accumulation")
-            gcopy.accumulate(bucket.lease, [grads[i] for i in bucket.indices], bucket.layout)
+            self._copy_in(packing.accumulate, bucket.lease,
+                          [grads[i] for i in bucket.indices], bucket.layout)
 
     def launch(self, buckets: list[PackedBucket], op: str = "avg", count: Optional[int] = None,
                all_reduce: bool = False) -> ReduceResult:
@@ -224,25 +228,11 @@ class GradReducer:
         result = ReduceResult(count=total)
         for position, bucket in enumerate(buckets):
             try:
-                if all_reduce:
-                    handle = self.comm.all_reduce(bucket.lease.tensor, op=op, async_op=True)
-                    # the bucket is reduced in place: it is its own output
-                    result.launched.append(_Launched(bucket, bucket.lease, handle))
-                    continue
-                output = self.pool.acquire(bucket.layout.row_numel, bucket.dtype)
-                try:
-                    handle = self.comm.reduce_scatter(output.tensor, bucket.input_tensor, op=op,
-                                                      async_op=True)
-                except BaseException:
-                    output.release()
-                    raise
+                self._launch_one(result, bucket, op, all_reduce)
             except BaseException:
                 result.release()
                 self.discard(buckets[position:])
                 raise
-            if bucket.lease is not None:
-                bucket.lease.release(handle)     # recycled only once the collective completed
-            result.launched.append(_Launched(bucket, output, handle))
         return result
 
     def discard(self, buckets: list[PackedBucket]) -> None:
@@ -255,14 +245,78 @@ class GradReducer:
     # -- one-call forms -------------------------------------------------------------------------
     def reduce_scatter(self, grads: Sequence[ms.Tensor], shard_dims: Optional[Sequence[int]] = None,
                        op: str = "avg") -> ReduceResult:
-        check_reduce_op(op)
-        return self.launch(self.pack(grads, shard_dims), op=op, count=len(grads))
+        """Reduce-scatter ``grads``; ``wait()`` gives this rank's shard of each, in order."""
+        return self._reduce(grads, shard_dims, None, op, all_reduce=False)
 
     def all_reduce(self, grads: Sequence[ms.Tensor], op: str = "avg") -> ReduceResult:
         """All-reduce whole gradients (replicated parameters) in pool buckets."""
+        return self._reduce(grads, None, 1, op, all_reduce=True)
+
+    # -- internals ------------------------------------------------------------------------------
+    def _reduce(self, grads, shard_dims, world_size, op: str, all_reduce: bool) -> ReduceResult:
+        """Pack and launch bucket by bucket: each input bucket is released (fenced) before the
+        next one is packed, so a bucket whose collective has completed serves the next one."""
         check_reduce_op(op)
-        buckets = self.pack(grads, world_size=1, allow_borrow=False)
-        return self.launch(buckets, op=op, count=len(grads), all_reduce=True)
+        plan = self._plan(grads, shard_dims, world_size)
+        result = ReduceResult(count=len(grads))
+        try:
+            for dtype, indices, layout in plan:
+                bucket = self._pack_one(grads, dtype, indices, layout,
+                                        allow_borrow=not all_reduce)
+                try:
+                    self._launch_one(result, bucket, op, all_reduce)
+                except BaseException:
+                    self.discard([bucket])
+                    raise
+        except BaseException:
+            result.release()
+            raise
+        return result
+
+    def _pack_one(self, grads, dtype, indices: list[int], layout: ReduceScatterLayout,
+                  allow_borrow: bool) -> PackedBucket:
+        members = [grads[i] for i in indices]
+        if allow_borrow and self._can_borrow(members, layout, dtype):
+            self.borrows += 1
+            return PackedBucket(indices, layout, dtype, borrowed=packing.flat_view(members[0]))
+        lease = self.pool.acquire(layout.total_numel, dtype)
+        bucket = PackedBucket(indices, layout, dtype, lease=lease)
+        try:
+            self._copy_in(packing.pack, lease, members, layout)
+        except BaseException:
+            self.discard([bucket])
+            raise
+        return bucket
+
+    def _launch_one(self, result: ReduceResult, bucket: PackedBucket, op: str,
+                    all_reduce: bool) -> None:
+        """Start ``bucket``'s collective into ``result``; on failure nothing of it is in flight."""
+        if all_reduce:
+            handle = self.comm.all_reduce(bucket.lease.tensor, op=op, async_op=True)
+            # the bucket is reduced in place: it is its own output
+            result.launched.append(_Launched(bucket, bucket.lease, handle))
+            return
+        output = self.pool.acquire(bucket.layout.row_numel, bucket.dtype)
+        try:
+            handle = self.comm.reduce_scatter(output.tensor, bucket.input_tensor, op=op,
+                                              async_op=True)
+        except BaseException:
+            output.release()
+            raise
+        if bucket.lease is not None:
+            bucket.lease.release(handle)     # recycled only once the collective completed
+        result.launched.append(_Launched(bucket, output, handle))
+
+    def _copy_in(self, write, lease: Lease, grads, layout: ReduceScatterLayout) -> None:
+        """Run one pack or accumulate and account it in the pool's statistics."""
+        timed = self.pool.timed_copies
+        if timed:
+            synchronize()       # so the clock measures this copy, not backward work still queued
+        start = time.perf_counter()
+        written = write(lease, grads, layout, host=self.config.host_copies)
+        if timed and not written.on_host:
+            synchronize()       # device writes are queued; NumPy writes are done on return
+        self.pool.record_copy(written.nbytes, time.perf_counter() - start, written.padding_bytes)
 
     def _can_borrow(self, members, layout: ReduceScatterLayout, dtype) -> bool:
         return self.config.zero_copy and layout.is_identity() and members[0].dtype == dtype \

@@ -3,7 +3,7 @@ import numpy as np
 
 
 def np_pack(grads, layout):
-    """Pack per the layout with NumPy: the reference for what gradpool.copy must produce."""
+    """Pack per the layout with NumPy: the reference for what gradpool.pack must produce."""
     bucket = np.zeros(layout.total_numel, dtype=np.float64)
     for slot, grad in zip(layout.slots, grads):
         padded = np.zeros(slot.padded_shape)

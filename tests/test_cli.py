@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gradpool.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
-from gradpool.config import load_config
+from gradpool.app.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
+from gradpool.app.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "deepseek3_tiny.yaml"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gradpool.errors import LaunchError
-from gradpool.launch import run_ranks
+from gradpool.app.launch import run_ranks
 
 DIST_DIR = Path(__file__).parent / "distributed"
 sys.path.insert(0, str(DIST_DIR))

@@ -11,10 +11,12 @@ import mindspore as ms
 from mindspore import mint
 
 from gradpool.comm import (AscendHcclCommunicator, CommHandle, CompletedHandle,
-                           FaultInjectingCommunicator, SingleProcessCommunicator,
-                           _WrappedHandle, communicator_for, init_distributed, write_into)
+                           SingleProcessCommunicator, _WrappedHandle, communicator_for,
+                           init_distributed)
+from gradpool.dtypes import overwrite
 from gradpool.errors import CommError, InvalidArgumentError, UnsupportedDtypeError
 from gradpool.pool import BucketPool
+from gradpool.testing import FaultInjectingCommunicator
 
 DTYPES = [ms.float32, ms.float16, ms.bfloat16]
 SENTINEL = -3.5
@@ -85,9 +87,9 @@ def test_writes_into_pool_lease(comm):
     np.testing.assert_array_equal(read(lease.tensor), values(37))
 
 
-def test_write_into_casts_to_output_dtype():
+def test_overwrite_casts_to_output_dtype():
     out = mint.zeros(4, dtype=ms.bfloat16)
-    write_into(out, tensor([1.0, 2.5, -3.0, 0.25], ms.float32))
+    overwrite(out, tensor([1.0, 2.5, -3.0, 0.25], ms.float32))
     assert out.dtype == ms.bfloat16
     np.testing.assert_array_equal(read(out), [1.0, 2.5, -3.0, 0.25])
 
@@ -266,7 +268,7 @@ class FakeDist:
 
     def reduce_scatter_tensor(self, output, input, op="sum", group=None, async_op=False):
         self.calls.append(("reduce_scatter_tensor", op, group, async_op))
-        write_into(output, input[0:output.numel()])
+        overwrite(output, input[0:output.numel()])
         return FakeMsHandle() if async_op else None
 
     def all_reduce(self, tensor, op="sum", group=None, async_op=False):

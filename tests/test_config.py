@@ -8,9 +8,11 @@ import pytest
 import yaml
 from hypothesis import given, settings, strategies as st
 
-from gradpool.config import (
-    MIB, GradPoolConfig, ModelConfig, Override, RunConfig, dump_yaml, from_dict, known_keys,
-    load_config, parse_override)
+from gradpool import GradPoolConfig
+from gradpool.app.config import (
+    ModelConfig, Override, RunConfig, dump_yaml, from_dict, known_keys, load_config,
+    parse_override)
+from gradpool.runtime import MIB
 from gradpool.errors import (
     ConfigError, ConfigValueError, OverrideSyntaxError, UnknownConfigKeyError)
 
@@ -156,7 +158,7 @@ def test_bad_enum_value_suggests_the_closest():
 
 @pytest.mark.parametrize("section, key, value", [
     ("gradpool", "bucket_cap_mib", 0), ("gradpool", "bucket_cap_mib", -1.5),
-    ("gradpool", "max_cached_mib", 0), ("gradpool", "buckets_in_flight", 0),
+    ("gradpool", "max_cached_mib", 0), ("gradpool", "max_buckets_in_flight", 0),
     ("gradpool", "alignment_bytes", 0), ("gradpool", "alignment_bytes", -512),
     ("gradpool", "alignment_bytes", 510), ("train", "learning_rate", 0.0),
     ("train", "steps", 0), ("launch", "ranks", 0), ("model", "num_layers", -1),
@@ -300,7 +302,7 @@ SIMPLE = {
     "fully_shard.apply_grad_on_fp32_main_grad": st.booleans(),
     "fully_shard.reduce_op": st.sampled_from(["avg", "sum"]),
     "gradpool.bucket_cap_mib": finite_positive,
-    "gradpool.buckets_in_flight": st.none() | st.integers(1, 64),
+    "gradpool.max_buckets_in_flight": st.none() | st.integers(1, 64),
     "gradpool.alignment_bytes": st.integers(1, 1024).map(lambda n: 4 * n),
     "gradpool.zero_copy": st.booleans(),
     "gradpool.poison_on_release": st.booleans(),
@@ -375,3 +377,24 @@ def test_random_valid_overrides_produce_the_values_set(chosen):
     # The overridden config round-trips as well.
     assert from_dict(yaml.safe_load(dump_yaml(cfg))) == cfg
     assert dataclasses.replace(cfg) == cfg
+
+
+# ---- renamed keys -----------------------------------------------------------------------------
+def test_old_buckets_in_flight_key_is_read_with_a_deprecation_warning(tmp_path):
+    with pytest.warns(FutureWarning, match=r"gradpool.buckets_in_flight is deprecated; call it "
+                                           r"gradpool.max_buckets_in_flight"):
+        cfg = load_config(write(tmp_path, "gradpool:\n  buckets_in_flight: 5\n"))
+    assert cfg.gradpool.max_buckets_in_flight == 5
+    with pytest.warns(FutureWarning):
+        cfg = load_config(TINY, ["gradpool.buckets_in_flight=null"])
+    assert cfg.gradpool.max_buckets_in_flight is None
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match="given twice"):
+        load_config(write(tmp_path, "gradpool:\n  max_buckets_in_flight: 1\n"
+                                    "  buckets_in_flight: 5\n"))
+
+
+def test_the_gradpool_section_is_the_library_config():
+    """What `fully_shard(pool_config=...)` takes is what the YAML section loads into."""
+    cfg = load_config(TINY)
+    assert type(cfg.gradpool) is GradPoolConfig
+    assert set(known_keys()["gradpool"]) == {f.name for f in dataclasses.fields(GradPoolConfig)}

@@ -9,15 +9,17 @@ from mindspore import Parameter, mint, nn
 
 from gradpool.app.train import (build_sharded_model, gathered_params, train_reference,
                                 train_sharded)
-from gradpool.config import GradPoolConfig, from_dict
-from gradpool.comm import FaultInjectingCommunicator, SingleProcessCommunicator
+from gradpool import GradPoolConfig
+from gradpool.app.config import from_dict
+from gradpool.comm import SingleProcessCommunicator
+from gradpool.testing import FaultInjectingCommunicator
 from gradpool.errors import GradientIntegrityError, InvalidArgumentError, PoolCapacityError
 from hyper_parallel import fully_shard, hsdp_sync_stream, init_device_mesh
 from hyper_parallel.core.device_mesh import DeviceMesh
 from hyper_parallel.core.fully_shard.api import HSDPModule, MixedPrecisionPolicy
 from hyper_parallel.core.fully_shard.utils import CPUOffloadPolicy, OffloadPolicy
 from hyper_parallel.platform.mindspore.fully_shard.param import MindSporeHSDPParamV2
-from hyper_parallel.platform.mindspore.fully_shard.runtime import runtime_for
+from gradpool.runtime import runtime_for
 
 ms.set_device("CPU")
 FIELD = ["fully_shard.reduce_dtype=float32", "fully_shard.apply_grad_on_fp32_main_grad=true",
@@ -189,12 +191,12 @@ def test_training_correct_when_collectives_complete_late(monkeypatch):
     """Every collective completes 20 ms after launch: input buckets stay fenced while the next
     gradients are packed, so the pool must hand out other buckets; with poison on, a reuse
     before completion would turn the result NaN."""
-    from hyper_parallel.platform.mindspore.fully_shard import runtime as runtime_module
+    from gradpool import runtime as runtime_module
     monkeypatch.setattr(runtime_module, "communicator_for", lambda device: (
         FaultInjectingCommunicator(SingleProcessCommunicator(), delay_seconds=0.02)))
     runtime_module.reset_runtimes()
     cfg = from_dict({}, FIELD + ["train.steps=2", "fully_shard.comm_fusion=true",
-                                 "gradpool.buckets_in_flight=null"])
+                                 "gradpool.max_buckets_in_flight=null"])
     try:
         model = build_sharded_model(cfg)
         runtime = runtime_for(cfg.gradpool)

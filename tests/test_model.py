@@ -6,8 +6,8 @@ import mindspore as ms
 import numpy as np
 import pytest
 
-from gradpool.app import TinyDeepSeekV3, global_batch_np, make_batch, make_batch_np
-from gradpool.config import ModelConfig
+from gradpool.app.model import TinyDeepSeekV3, global_batch_np, make_batch, make_batch_np
+from gradpool.app.config import ModelConfig
 from gradpool.errors import InvalidArgumentError
 
 ms.set_device("CPU")

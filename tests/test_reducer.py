@@ -2,7 +2,7 @@
 
 Part 1 runs the cases of tests/distributed/reducer_cases.py here, one test per case, with the
 same NumPy references the 2-rank launch uses (tests/test_reducer_distributed.py); a few run again
-on gradpool.copy's device path.
+on gradpool.pack's device path.
 Part 2 holds what only needs one process: argument errors, the shard-view lifetime contract,
 idempotent release, and the pool's steady state over repeated reductions.
 """
@@ -18,11 +18,12 @@ import pytest
 
 import mindspore as ms
 
-from gradpool import copy as gcopy
-from gradpool.comm import FaultInjectingCommunicator, SingleProcessCommunicator
+from gradpool.comm import SingleProcessCommunicator
+from gradpool.testing import FaultInjectingCommunicator
 from gradpool.errors import InvalidArgumentError, LeaseStateError
 from gradpool.layout import ReduceScatterLayout
-from gradpool.pool import BucketPool, itemsize
+from gradpool.dtypes import itemsize
+from gradpool.pool import BucketPool
 from gradpool.reducer import GradReducer, ReducerConfig
 
 DIST_DIR = Path(__file__).parent / "distributed"
@@ -61,9 +62,9 @@ def test_case_world_size_1(name, tmp_path, monkeypatch):
     "zero_copy_borrows_identity_layout",
 ])
 def test_case_world_size_1_device_copies(name, tmp_path, monkeypatch):
-    """float32/float16 packs take gradpool.copy's NumPy host path on CPU; these cases again on the
+    """float32/float16 packs take gradpool.pack's NumPy host path on CPU; these cases again on the
     device (Ascend-portable) path."""
-    monkeypatch.setattr(gcopy, "HOST_COPIES", False)
+    monkeypatch.setattr(cases, "HOST_COPIES", False)
     SUITE.main([str(tmp_path), name])
     harness.load_results(tmp_path, SUITE.name, nproc=1).verify(name)
 

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 from gradpool.app import rank_main
 from gradpool.app.train import StepRecord, train_reference
-from gradpool.config import RunConfig, dump_yaml
+from gradpool.app.config import RunConfig, dump_yaml
 from gradpool.errors import GradPoolError, LaunchError
 
 logger = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ def run_job(cfg: RunConfig, on_step: Optional[StepCallback] = None,
 
 def _run_under_msrun(cfg: RunConfig, log_dir: Path, on_step: Optional[StepCallback],
                      timeout: float) -> None:
-    from gradpool.launch import run_ranks
+    from gradpool.app.launch import run_ranks
 
     follower = _RecordFollower(rank_main.records_path(log_dir, 0), on_step) if on_step else None
     if follower is not None:

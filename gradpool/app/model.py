@@ -30,8 +30,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, mint, nn, ops
 
-from ..config import ModelConfig
-from ..errors import InvalidArgumentError
+from gradpool.app.config import ModelConfig
+from gradpool.errors import InvalidArgumentError
 
 RMS_EPS = 1e-6
 # Additive attention / routing mask. Finite rather than -inf: a -inf row would give NaN in

@@ -17,7 +17,7 @@ A failure the run itself detects (a non-finite loss, a gradient the reduce path 
 changed or freed: :class:`~gradpool.errors.GradientIntegrityError`) or any other exception is
 recorded in the final file, printed to stderr (so it is in the rank's log tail) and turns into exit
 code 1. ``_rank_entry`` puts this file's directory first on ``sys.path``; nothing here has a
-stdlib name (unlike ``gradpool/copy.py``), so that is harmless.
+stdlib name, so that is harmless.
 """
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ import mindspore as ms
 
 from gradpool.app.train import NonFiniteLossError, build_sharded_model, train_sharded
 from gradpool.comm import init_distributed
-from gradpool.config import RunConfig, load_config
+from gradpool.app.config import RunConfig, load_config
 from gradpool.errors import GradientIntegrityError, InvalidArgumentError
-from hyper_parallel.platform.mindspore.fully_shard.runtime import runtime_for
+from gradpool.runtime import runtime_for
 
 logger = logging.getLogger(__name__)
 

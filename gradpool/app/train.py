@@ -22,7 +22,7 @@ import numpy as np
 from mindspore import mint, nn
 
 from gradpool.app.model import TinyDeepSeekV3, make_batch_np, next_token_loss
-from gradpool.config import RunConfig
+from gradpool.app.config import RunConfig
 from gradpool.errors import GradPoolError
 from gradpool.pool import PoolStats
 

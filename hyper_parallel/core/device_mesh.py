@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from gradpool.errors import InvalidArgumentError
+from gradpool import InvalidArgumentError
 
 DEVICE_TYPES = ("npu", "cpu", "Ascend", "CPU")
 
@@ -27,7 +27,7 @@ class DeviceMesh:
 def init_device_mesh(device_type: str, mesh_shape: Sequence[int],
                      mesh_dim_names: Optional[Sequence[str]] = None) -> DeviceMesh:
     """Build a mesh over all ranks of the job; its size must equal the world size."""
-    from gradpool.comm import init_distributed
+    from gradpool import init_distributed
 
     if device_type not in DEVICE_TYPES:
         raise InvalidArgumentError(

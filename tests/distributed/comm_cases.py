@@ -15,10 +15,11 @@ import numpy as np
 import mindspore as ms
 from mindspore import mint
 
-from gradpool.comm import (CompletedHandle, CpuMcclCommunicator, FaultInjectingCommunicator,
-                           communicator_for)
+from gradpool.comm import CompletedHandle, CpuMcclCommunicator, communicator_for
+from gradpool.dtypes import writable_view
 from gradpool.errors import CommError
-from gradpool.pool import BucketPool, writable_view
+from gradpool.pool import BucketPool
+from gradpool.testing import FaultInjectingCommunicator
 from harness import Context, Suite, allclose, equal, raises
 
 suite = Suite("comm")

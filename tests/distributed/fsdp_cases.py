@@ -14,10 +14,10 @@ import mindspore as ms
 import numpy as np
 
 from gradpool.app.train import build_sharded_model, gathered_params, train_reference, train_sharded
-from gradpool.config import from_dict
+from gradpool.app.config import from_dict
 from harness import Context, Suite, allclose, equal
 from hyper_parallel.core.dtensor.placement_types import Shard
-from hyper_parallel.platform.mindspore.fully_shard.runtime import runtime_for
+from gradpool.runtime import runtime_for
 
 suite = Suite("fully_shard")
 FIELD = ["fully_shard.reduce_dtype=float32", "fully_shard.apply_grad_on_fp32_main_grad=true",

@@ -195,7 +195,7 @@ def load_results(out_dir, suite: str, nproc: int, launch=None) -> SuiteResults:
 def launch_suite(script, suite: str, out_dir, nproc: int = 2,
                  timeout: float = 600) -> SuiteResults:
     """One msrun launch of a cases script; its results, ready to verify per case."""
-    from gradpool.launch import run_ranks
+    from gradpool.app.launch import run_ranks
     launch = run_ranks(script, args=[str(out_dir)], nproc=nproc,
                        log_dir=Path(out_dir) / "logs", timeout=timeout)
     return load_results(out_dir, suite, nproc, launch)

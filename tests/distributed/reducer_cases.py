@@ -22,10 +22,11 @@ import numpy as np
 
 import mindspore as ms
 
-from gradpool.comm import FaultInjectingCommunicator
+from gradpool.testing import FaultInjectingCommunicator
 from gradpool.errors import CommError
 from gradpool.layout import ReduceScatterLayout
-from gradpool.pool import BucketPool, itemsize
+from gradpool.dtypes import itemsize
+from gradpool.pool import BucketPool
 from gradpool.reducer import GradReducer, ReducerConfig
 from harness import Context, Suite, allclose, equal, raises
 
@@ -43,6 +44,8 @@ SHARD_DIMS = [0, 0, 0, 1, 1, 0]
 SMALL_CAP_BYTES = 200
 SMALL_CAP_MIB = SMALL_CAP_BYTES / 2 ** 20
 MODES = ("pergrad", "fused", "fused_small_cap")
+# Pack with NumPy through host memory where it applies (CPU); tests set False for the device path.
+HOST_COPIES = True
 DELAY = 0.5     # seconds a FaultInjectingCommunicator handle stays "in flight" (a wide margin
                 # over the few ms of local work the fence checks below rely on)
 
@@ -145,10 +148,14 @@ def grouping_checks(buckets, grads, cap_bytes: float, reduce_dtype, expect_sever
     return checks
 
 
+def reducer_config(**fields) -> ReducerConfig:
+    return ReducerConfig(host_copies=HOST_COPIES, **fields)
+
+
 def config_for(mode: str, reduce_dtype, zero_copy: bool = False) -> ReducerConfig:
-    return ReducerConfig(reduce_dtype=reduce_dtype, comm_fusion=mode != "pergrad",
-                         bucket_cap_mib=SMALL_CAP_MIB if mode == "fused_small_cap" else 25.0,
-                         zero_copy=zero_copy)
+    return reducer_config(reduce_dtype=reduce_dtype, comm_fusion=mode != "pergrad",
+                          bucket_cap_mib=SMALL_CAP_MIB if mode == "fused_small_cap" else 25.0,
+                          zero_copy=zero_copy)
 
 
 def after_release_checks(pool: BucketPool, grads, before) -> dict:
@@ -311,7 +318,7 @@ def zero_copy_borrows_identity_layout(ctx: Context) -> dict:
     (no bytes copied, only the output bucket allocated); then (7, 3) in the same call cannot be
     borrowed and is copied, and exactly its bucket's bytes are counted."""
     pool = BucketPool(alignment_bytes=ZC_ALIGN_BYTES, poison_on_release=True)
-    reducer = GradReducer(pool, ctx.comm, ReducerConfig(reduce_dtype=ms.float32, zero_copy=True))
+    reducer = GradReducer(pool, ctx.comm, reducer_config(reduce_dtype=ms.float32, zero_copy=True))
     shapes, dims = [IDENTITY_SHAPE, (7, 3)], [0, 0]
     precondition = _is_identity(pool, IDENTITY_SHAPE, ctx.world_size, ms.float32)
     grads = make_grads(ctx, shapes, ms.float32, seed=6)
@@ -345,7 +352,7 @@ def _zero_copy_must_copy(why: str, shape, grad_dtype, reduce_dtype, align_bytes:
                          fusion: bool = False, count: int = 1):
     def case(ctx: Context) -> dict:
         pool = BucketPool(alignment_bytes=align_bytes, poison_on_release=True)
-        reducer = GradReducer(pool, ctx.comm, ReducerConfig(
+        reducer = GradReducer(pool, ctx.comm, reducer_config(
             reduce_dtype=reduce_dtype, zero_copy=True, comm_fusion=fusion))
         shapes, dims = [shape] * count, [0] * count
         grads = make_grads(ctx, shapes, grad_dtype, seed=7)
@@ -422,7 +429,7 @@ suite.add("zero_copy_copies_fused_buckets",
 
 # -- fences: a bucket whose collective has not completed is never leased again ----------------------
 def _fused_reducer(ctx: Context, pool: BucketPool, comm) -> GradReducer:
-    return GradReducer(pool, comm, ReducerConfig(reduce_dtype=ms.float32, comm_fusion=True))
+    return GradReducer(pool, comm, reducer_config(reduce_dtype=ms.float32, comm_fusion=True))
 
 
 @suite.case
@@ -522,7 +529,7 @@ def _fail_wait(error, all_reduce: bool):
         faulty = FaultInjectingCommunicator(ctx.comm, delay_seconds=0.05, fail_wait=error)
         pool = BucketPool(poison_on_release=True)
         # per gradient: several collectives in one result, the first one's wait raises
-        reducer = GradReducer(pool, faulty, ReducerConfig(reduce_dtype=ms.float32))
+        reducer = GradReducer(pool, faulty, reducer_config(reduce_dtype=ms.float32))
         grads = make_grads(ctx, SHAPES, ms.float32, seed=12)
         before = [fingerprint(g) for g in grads]
 

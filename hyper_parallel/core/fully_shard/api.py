@@ -1,7 +1,7 @@
 """``fully_shard``: the upstream-compatible entry point, with every gradient reduced on pool memory.
 
 Pool options reach ``fully_shard`` one way: the keyword-only ``pool_config=`` argument, a
-:class:`gradpool.config.GradPoolConfig` (zero-copy, poison-on-release, bucket cap, alignment,
+:class:`gradpool.GradPoolConfig` (zero-copy, poison-on-release, bucket cap, alignment,
 buckets in flight, cache cap, gradient verification). Calls written for upstream pass none and
 get ``GradPoolConfig()``'s defaults.
 """
@@ -13,16 +13,13 @@ from typing import Callable, Optional, Union
 import mindspore as ms
 from mindspore import nn
 
-from gradpool.config import GradPoolConfig
-from gradpool.errors import InvalidArgumentError
-from gradpool.pool import SUPPORTED_DTYPES
-from gradpool.reducer import GradReducer, ReducerConfig
+from gradpool import (GradPoolConfig, InvalidArgumentError, UnsupportedDtypeError,
+                      all_runtimes, check_dtype, runtime_for)
 from hyper_parallel.core.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.core.fully_shard.utils import (CPUOffloadPolicy, MixedPrecisionPolicy,
                                                    OffloadPolicy)
 from hyper_parallel.platform.mindspore.fully_shard.param import MindSporeHSDPParamV2
-from hyper_parallel.platform.mindspore.fully_shard.runtime import all_runtimes, runtime_for
 from hyper_parallel.platform.mindspore.fully_shard.state import HSDPUnitState
 
 __all__ = ["fully_shard", "HSDPModule", "hsdp_sync_stream", "MixedPrecisionPolicy",
@@ -75,10 +72,13 @@ def hsdp_sync_stream() -> None:
 
 
 def _check_dtype(name: str, dtype) -> None:
-    if dtype is not None and dtype not in SUPPORTED_DTYPES:
-        allowed = ", ".join(str(d) for d in SUPPORTED_DTYPES)
-        raise InvalidArgumentError(
-            f"mp_policy.{name} must be a floating dtype ({allowed}) or None, got {dtype}")
+    if dtype is None:
+        return
+    try:
+        check_dtype(dtype)
+    except UnsupportedDtypeError as exc:
+        raise InvalidArgumentError(f"mp_policy.{name} must be a floating dtype or None: {exc}") \
+            from None
 
 
 def _validate(modules, mp_policy, offload_policy, reshard_after_forward, comm_fusion,
@@ -181,17 +181,16 @@ def fully_shard(module: Union[nn.Cell, list], *, mesh: Optional[DeviceMesh] = No
     _validate_mesh(mesh, runtime.comm.world_size)
     ignored = {id(p) for p in ignored_params or ()}
     replicated = {id(p) for p in replicate_params or ()}
-    reducer = GradReducer(runtime.pool, runtime.comm, ReducerConfig(
-        reduce_dtype=mp_policy.reduce_dtype, comm_fusion=comm_fusion,
-        bucket_cap_mib=config.bucket_cap_mib, zero_copy=config.zero_copy))
+    reducer = runtime.reducer(reduce_dtype=mp_policy.reduce_dtype, comm_fusion=comm_fusion)
     for mod in modules:
         params = []
         for param, owners in _managed_params(mod, ignored):
             is_replicated = id(param) in replicated
             managed = MindSporeHSDPParamV2(
                 *owners[0], param, rank=runtime.comm.rank, world_size=runtime.comm.world_size,
+                comm=runtime.comm,
                 shard_dim=0 if is_replicated else _placement_dim(shard_placement_fn, param),
-                replicate=is_replicated, mp_policy=mp_policy, reducer=reducer,
+                replicate=is_replicated, mp_policy=mp_policy,
                 verify_gradients=config.verify_gradients)
             managed.owners = owners
             for cell, attr in owners:

@@ -1,4 +1,5 @@
-"""One managed parameter: its local shard, its all-gather, and its pool-backed reduce path.
+"""One managed parameter: its local shard, its all-gather, and upstream's reduce-path methods as
+thin views onto its unit's reduce (``HSDPUnitState.reduce``, the unit's one reduce path).
 
 Upstream's reduce path did ``self._grad = grad.to(reduce_dtype).reshape(-1)`` and, after the
 collective, ``self._grad.untyped_storage().resize_(0)``; with ``reduce_dtype`` equal to the
@@ -21,11 +22,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, mint
 
-from gradpool.errors import GradientIntegrityError, InvalidArgumentError
-from gradpool.layout import ReduceScatterLayout
-from gradpool.pool import writable_view
-from gradpool.comm import check_reduce_op
-from gradpool.reducer import GradReducer, ReduceResult
+from gradpool import (GradientIntegrityError, GradSlot, InvalidArgumentError, ReduceResult,
+                      check_reduce_op, local_shard, unshard, writable_view)
 
 logger = logging.getLogger(__name__)
 
@@ -52,30 +50,33 @@ class ReduceSlot:
 
 
 class MindSporeHSDPParamV2:
-    """A parameter managed by ``fully_shard``: sharded along ``shard_dim`` or replicated."""
+    """A parameter managed by ``fully_shard``: sharded along ``shard_dim`` or replicated.
+
+    ``unit`` (set by the unit that adopts it) is the ``HSDPUnitState`` whose reduce path this
+    parameter's reduce methods use."""
 
     def __init__(self, cell, attr_name: str, param: Parameter, *, rank: int, world_size: int,
-                 shard_dim: int = 0, replicate: bool = False, mp_policy=None,
-                 reducer: Optional[GradReducer] = None, verify_gradients: bool = False):
+                 comm, shard_dim: int = 0, replicate: bool = False, mp_policy=None,
+                 verify_gradients: bool = False):
         # Every (cell, attribute) that holds this parameter: tied weights share one shard.
         self.owners: list[tuple[Any, str]] = [(cell, attr_name)]
+        self.unit = None
         self.name = param.name
         self.orig_shape = tuple(param.shape)
         self.orig_dtype = param.dtype
         self.rank, self.world_size = rank, world_size
+        self.comm = comm
         self.replicate = replicate
         self.shard_dim = shard_dim
         self.param_dtype = getattr(mp_policy, "param_dtype", None)
         self.reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
         self.use_main_grad = bool(getattr(mp_policy, "apply_grad_on_fp32_main_grad", False))
-        self.reducer = reducer
         self.verify_gradients = verify_gradients
         if not replicate and not 0 <= shard_dim < len(self.orig_shape):
             raise InvalidArgumentError(
                 f"parameter {self.name} of shape {self.orig_shape} cannot be sharded on dim "
                 f"{shard_dim}")
-        self.slot = None if replicate else ReduceScatterLayout.build(
-            [self.orig_shape], world_size, 1, [shard_dim]).slots[0]
+        self.slot = None if replicate else GradSlot.of(self.orig_shape, world_size, shard_dim)
         self.sharded_param = self._make_local(param)
         self.sharded_param.main_grad = None
         param.hsdp_managed_by = self      # the original, so another unit will not shard it again
@@ -93,44 +94,25 @@ class MindSporeHSDPParamV2:
         if self.replicate:
             param.hsdp_param = self
             return param
-        full = param.asnumpy()
-        padded = np.zeros(self.slot.padded_shape, dtype=full.dtype)
-        padded[tuple(slice(0, d) for d in full.shape)] = full
-        start = self.rank * self.slot.chunk_size
-        local = np.take(padded, range(start, start + self.slot.chunk_size), axis=self.shard_dim)
-        shard = Parameter(ms.Tensor(np.ascontiguousarray(local)), name=param.name,
-                          requires_grad=param.requires_grad)
+        # A copy in memory of its own: the optimizer updates the shard in place, and on CPU an
+        # in-place write into a view at a non-zero offset would silently not land.
+        local = np.array(local_shard(param, self.slot, self.rank).asnumpy(), copy=True)
+        shard = Parameter(ms.Tensor(local), name=param.name, requires_grad=param.requires_grad)
         shard.hsdp_param = self
         return shard
 
     def unsharded(self, local: ms.Tensor) -> ms.Tensor:
         """All-gather ``local`` (this rank's shard) into the full parameter, in ``param_dtype``."""
         if self.replicate or self.world_size == 1:
-            full = local if self.replicate else self._trim(local)
+            full = local           # nothing to gather, and no padding at world size 1
         else:
-            comm = self.reducer.comm
             numel = self.slot.chunk_numel
             gathered = mint.empty(numel * self.world_size, dtype=local.dtype)
-            comm.all_gather(gathered, local.reshape(numel), async_op=False).wait()
-            full = self._trim(self._concat_chunks(gathered))
+            self.comm.all_gather(gathered, local.reshape(numel), async_op=False).wait()
+            full = unshard(gathered, self.slot)
         if self.param_dtype is not None and full.dtype != self.param_dtype:
             full = full.astype(self.param_dtype)
         return full
-
-    def _concat_chunks(self, gathered: ms.Tensor) -> ms.Tensor:
-        """``[W, chunk]`` rank blocks -> the padded parameter (chunks side by side on shard_dim)."""
-        shape, dim, world = self.slot.chunk_shape, self.shard_dim, self.world_size
-        if dim == 0:
-            return gathered.reshape(self.slot.padded_shape)
-        outer = int(np.prod(shape[:dim], dtype=np.int64))
-        inner = int(np.prod(shape[dim:], dtype=np.int64))
-        blocks = gathered.reshape(world, outer, inner).permute(1, 0, 2)
-        return blocks.contiguous().reshape(self.slot.padded_shape)
-
-    def _trim(self, padded: ms.Tensor) -> ms.Tensor:
-        if padded.shape[self.shard_dim] == self.orig_shape[self.shard_dim]:
-            return padded
-        return padded.narrow(self.shard_dim, 0, self.orig_shape[self.shard_dim])
 
     # -- reduce path (upstream names and meaning) ------------------------------------------------
     def reduce_comm_dtype(self, grad: Optional[ms.Tensor] = None):
@@ -149,9 +131,14 @@ class MindSporeHSDPParamV2:
         self._grad = grad
         self._fingerprint = fingerprint(grad) if self.verify_gradients else None
 
+    @property
+    def unsharded_grad(self) -> Optional[ms.Tensor]:
+        return self._grad
+
     def reduce_scatter_grad(self, async_op: bool = True, reduce_op: str = "avg",
                             output_buffer: Optional[ms.Tensor] = None) -> None:
-        """Launch this parameter's reduce-scatter (all-reduce when replicated) on pool memory.
+        """Launch this parameter's reduce-scatter (all-reduce when replicated) on pool memory,
+        through its unit's reduce path.
 
         ``output_buffer`` is accepted for upstream compatibility; the output always lives in a
         pool bucket, so a given buffer is refused rather than silently ignored."""
@@ -162,17 +149,12 @@ class MindSporeHSDPParamV2:
         if self._grad is None:
             raise InvalidArgumentError(f"{self.name} has no gradient to reduce; call "
                                        "set_unsharded_grad() first")
-        self.clear_reduce_scatter_output()
-        if self.replicate:
-            result = self.reducer.all_reduce([self._grad], op=reduce_op)
-        else:
-            result = self.reducer.reduce_scatter([self._grad], [self.shard_dim], op=reduce_op)
-        self._slot = ReduceSlot(result, 0)
+        self.unit.reduce([self], reduce_op)
         if not async_op:
-            result.wait()
+            self._slot.result.wait()
 
     def attach_result(self, result: ReduceResult, index: int) -> None:
-        """Adopt entry ``index`` of a fused reduction as this parameter's output."""
+        """Adopt entry ``index`` of a (maybe fused) reduction as this parameter's output."""
         self.clear_reduce_scatter_output()
         self._slot = ReduceSlot(result, index)
 

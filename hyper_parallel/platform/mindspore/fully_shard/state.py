@@ -20,8 +20,7 @@ import mindspore as ms
 from mindspore import mint
 from mindspore.common._grad_function import _Function
 
-from gradpool.comm import check_reduce_op
-from gradpool.reducer import GradReducer, PackedBucket
+from gradpool import GradReducer, PackedBucket, check_reduce_op
 from hyper_parallel.platform.mindspore.fully_shard.param import MindSporeHSDPParamV2
 
 logger = logging.getLogger(__name__)
@@ -54,6 +53,8 @@ class HSDPUnitState:
         self.reduce_op = "avg"
         self._pending: Optional[tuple[list[PackedBucket], list[PackedBucket]]] = None
         self._gather = _make_gather_function(self)
+        for param in params:
+            param.unit = self
         if params:
             module.register_forward_pre_hook(self._pre_forward)
         module.register_forward_hook(self._post_forward)
@@ -101,33 +102,57 @@ class HSDPUnitState:
         for param, grad in zip(self.params, grads):
             param.set_unsharded_grad(grad)
         if not self.requires_sync:
-            self._accumulate(grads)
+            self._accumulate(self.params)
             return tuple(mint.zeros(p.local_shape, dtype=p.orig_dtype) for p in self.params)
-        if self._pending is not None:
-            self._launch_pending(grads)
-        elif self.reducer.config.comm_fusion:
-            self._launch_fused(grads)
-        else:
-            for param in self.params:
-                param.reduce_scatter_grad(async_op=True, reduce_op=self.reduce_op)
+        self.reduce(self.params, self.reduce_op)
         return tuple(p.apply_reduced_grad(p.reduce_scatter_output()) for p in self.params)
 
-    def _split(self):
-        sharded = [(i, p) for i, p in enumerate(self.params) if not p.replicate]
-        replicated = [(i, p) for i, p in enumerate(self.params) if p.replicate]
-        return sharded, replicated
+    def reduce(self, params: list[MindSporeHSDPParamV2], op: str) -> None:
+        """The unit's one reduce path: hand the gradients of ``params`` (and, for the whole unit,
+        the micro-steps accumulated so far) to the reducer once per group (sharded, replicated),
+        and let each parameter adopt its entry of the result. Fused or not is the reducer's
+        grouping."""
+        check_reduce_op(op)
+        for param in params:
+            param.clear_reduce_scatter_output()
+        sharded, replicated = self._split(params)
+        if self._pending is not None and params == self.params:
+            self._accumulate(params)
+            (sharded_buckets, replicated_buckets), self._pending = self._pending, None
+            try:
+                if sharded:
+                    _adopt(sharded, self.reducer.launch(sharded_buckets, op=op,
+                                                        count=len(sharded)))
+            except BaseException:
+                self.reducer.discard(replicated_buckets)   # the failed launch gave back its own
+                raise
+            if replicated:
+                _adopt(replicated, self.reducer.launch(replicated_buckets, op=op,
+                                                       count=len(replicated), all_reduce=True))
+            return
+        if sharded:
+            _adopt(sharded, self.reducer.reduce_scatter(
+                [p.unsharded_grad for p in sharded], [p.shard_dim for p in sharded], op=op))
+        if replicated:
+            _adopt(replicated, self.reducer.all_reduce([p.unsharded_grad for p in replicated],
+                                                       op=op))
 
-    def _pack(self, grads, for_accumulation: bool) -> tuple[list, list]:
-        """Pack the sharded and the replicated gradients; on failure give back what was packed."""
-        sharded, replicated = self._split()
+    @staticmethod
+    def _split(params):
+        return [p for p in params if not p.replicate], [p for p in params if p.replicate]
+
+    def _pack_for_accumulation(self, params) -> tuple[list, list]:
+        """Pack the sharded and the replicated gradients into buckets of their own (never
+        borrowed: later micro-steps add into them); on failure give back what was packed."""
+        sharded, replicated = self._split(params)
         packed: tuple[list, list] = ([], [])
         try:
             if sharded:
                 packed[0].extend(self.reducer.pack(
-                    [grads[i] for i, _ in sharded], [p.shard_dim for _, p in sharded],
-                    allow_borrow=not for_accumulation))
+                    [p.unsharded_grad for p in sharded], [p.shard_dim for p in sharded],
+                    allow_borrow=False))
             if replicated:
-                packed[1].extend(self.reducer.pack([grads[i] for i, _ in replicated],
+                packed[1].extend(self.reducer.pack([p.unsharded_grad for p in replicated],
                                                    world_size=1, allow_borrow=False))
         except BaseException:
             self._discard(packed)
@@ -138,47 +163,21 @@ class HSDPUnitState:
         for buckets in packed:
             self.reducer.discard(buckets)
 
-    def _accumulate(self, grads) -> None:
+    def _accumulate(self, params) -> None:
+        """A micro-step: pack (first) or add (later) the gradients into the unit's buckets."""
         if self._pending is None:
-            self._pending = self._pack(grads, for_accumulation=True)
+            self._pending = self._pack_for_accumulation(params)
         else:
-            sharded, replicated = self._split()
+            sharded, replicated = self._split(params)
             try:
-                self.reducer.accumulate(self._pending[0], [grads[i] for i, _ in sharded])
-                self.reducer.accumulate(self._pending[1], [grads[i] for i, _ in replicated])
+                self.reducer.accumulate(self._pending[0], [p.unsharded_grad for p in sharded])
+                self.reducer.accumulate(self._pending[1], [p.unsharded_grad for p in replicated])
             except BaseException:
                 self._discard(self._pending)
                 self._pending = None
                 raise
-        for param in self.params:
+        for param in params:
             param.finish_local_use()
-
-    def _launch_pending(self, grads) -> None:
-        self._accumulate(grads)
-        pending, self._pending = self._pending, None
-        self._attach(*pending)
-
-    def _launch_fused(self, grads) -> None:
-        self._attach(*self._pack(grads, for_accumulation=False))
-
-    def _attach(self, sharded_buckets, replicated_buckets) -> None:
-        """Launch both groups; each parameter adopts its entry of its group's result. A launch
-        that fails has given its own buckets back; the other group's are given back here."""
-        sharded, replicated = self._split()
-        if sharded:
-            try:
-                result = self.reducer.launch(sharded_buckets, op=self.reduce_op,
-                                             count=len(sharded))
-            except BaseException:
-                self.reducer.discard(replicated_buckets)
-                raise
-            for index, (_, param) in enumerate(sharded):
-                param.attach_result(result, index)
-        if replicated:
-            result = self.reducer.launch(replicated_buckets, op=self.reduce_op,
-                                         count=len(replicated), all_reduce=True)
-            for index, (_, param) in enumerate(replicated):
-                param.attach_result(result, index)
 
     # -- controls ---------------------------------------------------------------------------------
     def set_reduce_op(self, op: str) -> None:
@@ -192,6 +191,11 @@ class HSDPUnitState:
             self._pending = None
         for param in self.params:
             param.zero_grad()
+
+
+def _adopt(params, result) -> None:
+    for index, param in enumerate(params):
+        param.attach_result(result, index)
 
 
 def _cast_floating(value, dtype):

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from gradpool.config import RunConfig, dump_yaml, load_config
+from gradpool.app.config import RunConfig, dump_yaml, load_config
 from gradpool.errors import ConfigError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

@@ -6,6 +6,11 @@ Usage::
     cfg.gradpool.bucket_cap_bytes, cfg.model.vocab_size
     print(dump_yaml(cfg))            # loads back to an equal RunConfig
 
+The ``gradpool`` section is the library's own :class:`gradpool.GradPoolConfig` (what
+``fully_shard(pool_config=...)`` takes); the other sections belong to the application. The old
+key ``gradpool.buckets_in_flight`` is read as ``gradpool.max_buckets_in_flight`` with a
+``FutureWarning``.
+
 Strict on purpose: a misspelt key that were silently ignored would run the default instead of
 the experiment the file describes. So an unknown key raises :class:`UnknownConfigKeyError` with
 its full dotted path, the file (or override) it came from and the closest known key; a bad value
@@ -14,8 +19,6 @@ raises :class:`ConfigValueError` naming the key, the value given and what is all
 Types follow YAML, not Python's truthiness: in a file ``comm_fusion: "true"`` is a string and an
 error. Overrides come from a shell, where quoting is easy to get wrong, so there (and only there)
 the strings ``true``/``false``/``yes``/``no``/``on``/``off`` are accepted for bool keys.
-
-Pure Python + PyYAML: no MindSpore import, so configs load (and are tested) in milliseconds.
 """
 from __future__ import annotations
 
@@ -24,15 +27,19 @@ import difflib
 import math
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Iterable, Mapping, Optional, Tuple
 
 import yaml
 
-from .errors import ConfigError, ConfigValueError, OverrideSyntaxError, UnknownConfigKeyError
+from gradpool import (DTYPE_NAMES, SUPPORTED_DEVICES, ConfigError, ConfigValueError,
+                      GradPoolConfig, InvalidArgumentError, OverrideSyntaxError,
+                      UnknownConfigKeyError)
+from gradpool.runtime import MIB
 
-MIB = 1024 * 1024
-DTYPE_CHOICES = ("float32", "float16", "bfloat16")
+# Old key name -> its name now, per section; read with a FutureWarning.
+_RENAMED = {("gradpool", "buckets_in_flight"): "max_buckets_in_flight"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,9 +168,9 @@ class Text:
         raise _Reject()
 
 
-def _key(default: Any, rule: Any, doc: str):
-    """A config key: its default, the rule its values obey, and one line for humans."""
-    return field(default=default, metadata={"rule": rule, "doc": doc})
+def _key(default: Any, rule: Any):
+    """A config key: its default and the rule its values obey."""
+    return field(default=default, metadata={"rule": rule})
 
 
 def _value_error(key: str, value: Any, rule: Any, source: str, why: str = "") -> ConfigValueError:
@@ -175,11 +182,9 @@ def _value_error(key: str, value: Any, rule: Any, source: str, why: str = "") ->
 
 
 class _Section:
-    """Base of the section dataclasses: checks every field when constructed directly.
-
-    The loader has already checked values (with file/override context); this re-check is what
-    keeps ``ModelConfig(vocab_size=-1)`` built in code from slipping through.
-    """
+    """Base of the application's section dataclasses: every value is checked (and normalised)
+    here, once, whether the section is built in code or by the loader, which then names the
+    file or override the bad value came from."""
 
     SECTION = ""
 
@@ -191,8 +196,9 @@ class _Section:
             try:
                 normalised = rule.coerce(value, lenient=False)
             except _Reject as reject:
-                raise _value_error(f"{self.SECTION}.{f.name}", value, rule, source,
-                                   reject.why) from None
+                error = _value_error(f"{self.SECTION}.{f.name}", value, rule, source, reject.why)
+                error.single_key = True     # the loader names this key's own origin
+                raise error from None
             object.__setattr__(self, f.name, normalised)
         self._check_together(source)
 
@@ -206,63 +212,38 @@ class _Section:
 @dataclass(frozen=True)
 class FullyShardConfig(_Section):
     SECTION = "fully_shard"
-    comm_fusion: bool = _key(False, Bool(), "reduce-scatter many gradients in one fused bucket")
-    reshard_after_forward: bool = _key(True, Bool(), "drop gathered parameters after forward")
-    param_dtype: Optional[str] = _key(None, Choice(DTYPE_CHOICES, nullable=True),
-                                      "compute dtype of parameters; null keeps their own")
-    reduce_dtype: Optional[str] = _key("float32", Choice(DTYPE_CHOICES, nullable=True),
-                                       "dtype gradients are reduced in; null keeps theirs")
-    apply_grad_on_fp32_main_grad: bool = _key(True, Bool(),
-                                              "accumulate into an fp32 main_grad")
-    reduce_op: str = _key("avg", Choice(("avg", "sum")), "how gradients are combined")
+    comm_fusion: bool = _key(False, Bool())       # many gradients per fused bucket
+    reshard_after_forward: bool = _key(True, Bool())
+    param_dtype: Optional[str] = _key(None, Choice(DTYPE_NAMES, nullable=True))  # null: own
+    reduce_dtype: Optional[str] = _key("float32", Choice(DTYPE_NAMES, nullable=True))
+    apply_grad_on_fp32_main_grad: bool = _key(True, Bool())
+    reduce_op: str = _key("avg", Choice(("avg", "sum")))
 
 
-@dataclass(frozen=True)
-class GradPoolConfig(_Section):
-    SECTION = "gradpool"
-    bucket_cap_mib: float = _key(25.0, PositiveNumber(), "largest fused bucket, MiB")
-    buckets_in_flight: Optional[int] = _key(2, Int(minimum=1, nullable=True),
-                                            "buckets per dtype in flight before acquire waits")
-    alignment_bytes: int = _key(512, Int(minimum=4, multiple_of=4),
-                                "each gradient chunk starts on this byte boundary")
-    zero_copy: bool = _key(False, Bool(), "reduce in place when the layout allows it")
-    poison_on_release: bool = _key(False, Bool(), "fill released buckets with NaN (debug)")
-    max_cached_mib: Optional[float] = _key(None, PositiveNumber(nullable=True),
-                                           "cap on memory the pool holds, MiB")
-    verify_gradients: bool = _key(False, Bool(),
-                                  "checksum each gradient on arrival and after its reduce (debug)")
-
-    @property
-    def bucket_cap_bytes(self) -> int:
-        # ceil: any positive MiB must give at least one byte, never a zero-size cap.
-        return math.ceil(self.bucket_cap_mib * MIB)
-
-    @property
-    def max_cached_bytes(self) -> Optional[int]:
-        return None if self.max_cached_mib is None else math.ceil(self.max_cached_mib * MIB)
-
-    def pool_kwargs(self) -> dict:
-        """Keyword arguments of ``gradpool.pool.BucketPool`` (all but ``device``)."""
-        return {
-            "alignment_bytes": self.alignment_bytes,
-            "max_cached_bytes": self.max_cached_bytes,
-            "poison_on_release": self.poison_on_release,
-            "max_buckets_in_flight": self.buckets_in_flight,
-        }
+# The library's GradPoolConfig, as YAML keys, and the rules their values are read by.
+_GRADPOOL_RULES = {
+    "bucket_cap_mib": PositiveNumber(),
+    "max_buckets_in_flight": Int(minimum=1, nullable=True),
+    "alignment_bytes": Int(minimum=4, multiple_of=4),
+    "zero_copy": Bool(),
+    "poison_on_release": Bool(),
+    "max_cached_mib": PositiveNumber(nullable=True),
+    "verify_gradients": Bool(),
+}
 
 
 @dataclass(frozen=True)
 class ModelConfig(_Section):
     SECTION = "model"
-    vocab_size: int = _key(67, Int(minimum=2), "token vocabulary (odd on purpose: uneven shards)")
-    hidden_size: int = _key(32, Int(minimum=1), "model width")
-    num_layers: int = _key(2, Int(minimum=1), "decoder layers")
-    num_heads: int = _key(4, Int(minimum=1), "attention heads; must divide hidden_size")
-    num_experts: int = _key(4, Int(minimum=1), "routed experts per MoE layer")
-    experts_per_token: int = _key(2, Int(minimum=1), "top-k experts each token uses")
-    expert_hidden: int = _key(24, Int(minimum=1), "inner width of each expert's MLP")
-    seq_len: int = _key(8, Int(minimum=1), "tokens each sequence predicts from")
-    batch_size: int = _key(4, Int(minimum=1), "sequences per rank per micro-step")
+    vocab_size: int = _key(67, Int(minimum=2))        # odd on purpose: uneven shards
+    hidden_size: int = _key(32, Int(minimum=1))
+    num_layers: int = _key(2, Int(minimum=1))
+    num_heads: int = _key(4, Int(minimum=1))          # must divide hidden_size
+    num_experts: int = _key(4, Int(minimum=1))        # routed experts per MoE layer
+    experts_per_token: int = _key(2, Int(minimum=1))  # top-k
+    expert_hidden: int = _key(24, Int(minimum=1))     # inner width of each expert's MLP
+    seq_len: int = _key(8, Int(minimum=1))
+    batch_size: int = _key(4, Int(minimum=1))         # sequences per rank per micro-step
 
     def _check_together(self, source: str) -> None:
         if self.hidden_size % self.num_heads:
@@ -282,26 +263,31 @@ class ModelConfig(_Section):
 @dataclass(frozen=True)
 class TrainConfig(_Section):
     SECTION = "train"
-    steps: int = _key(5, Int(minimum=1), "optimizer steps")
-    micro_steps: int = _key(1, Int(minimum=1), "gradient-accumulation micro-steps per step")
-    learning_rate: float = _key(1e-3, PositiveNumber(), "optimizer learning rate")
-    seed: int = _key(1234, Int(minimum=0), "seeds parameter init and token batches")
-    optimizer: str = _key("adam", Choice(("adam", "sgd")), "optimizer")
+    steps: int = _key(5, Int(minimum=1))              # optimizer steps
+    micro_steps: int = _key(1, Int(minimum=1))        # gradient-accumulation micro-steps
+    learning_rate: float = _key(1e-3, PositiveNumber())
+    seed: int = _key(1234, Int(minimum=0))            # parameter init and token batches
+    optimizer: str = _key("adam", Choice(("adam", "sgd")))
 
 
 @dataclass(frozen=True)
 class LaunchConfig(_Section):
     SECTION = "launch"
-    ranks: int = _key(2, Int(minimum=1), "processes (one device each)")
-    device: str = _key("CPU", Choice(("CPU", "Ascend")), "device target")
-    master_port: Optional[int] = _key(None, Int(minimum=1, maximum=65535, nullable=True),
-                                      "msrun master port; null picks a free one")
-    log_dir: Optional[str] = _key(None, Text(nullable=True),
-                                  "msrun log directory; null uses a temporary one")
+    ranks: int = _key(2, Int(minimum=1))              # processes, one device each
+    device: str = _key("CPU", Choice(SUPPORTED_DEVICES))
+    master_port: Optional[int] = _key(None, Int(minimum=1, maximum=65535, nullable=True))
+    log_dir: Optional[str] = _key(None, Text(nullable=True))   # null: a temporary one
 
 
-_SECTIONS = {cls.SECTION: cls for cls in
-             (FullyShardConfig, GradPoolConfig, ModelConfig, TrainConfig, LaunchConfig)}
+_SECTIONS = {"fully_shard": FullyShardConfig, "gradpool": GradPoolConfig,
+             "model": ModelConfig, "train": TrainConfig, "launch": LaunchConfig}
+
+
+def _rules(section: str) -> dict:
+    """``{key: rule}`` of a section, in the order its keys are listed."""
+    if section == "gradpool":
+        return _GRADPOOL_RULES
+    return {f.name: f.metadata["rule"] for f in dataclasses.fields(_SECTIONS[section])}
 
 
 @dataclass(frozen=True)
@@ -330,7 +316,7 @@ class RunConfig:
 
 def known_keys() -> dict:
     """``{section: (key, ...)}`` of every key the loader accepts."""
-    return {name: tuple(f.name for f in dataclasses.fields(cls)) for name, cls in _SECTIONS.items()}
+    return {name: tuple(_rules(name)) for name in _SECTIONS}
 
 
 # --------------------------------------------------------------------------------------------
@@ -412,6 +398,7 @@ def parse_override(text: str) -> Override:
             f"{source}: key {path.strip()!r} must be section.key (two names joined by one dot), "
             f"with section one of {', '.join(_SECTIONS)}")
     section, key = (p.strip() for p in parts)
+    key = _current_name(section, key, source)
     _check_known(section, key, source)
     value = _parse_yaml(raw_value.strip(), source) if raw_value.strip() else None
     if isinstance(value, (dict, list)):
@@ -419,6 +406,16 @@ def parse_override(text: str) -> Override:
             f"{source}: value {raw_value.strip()!r} is a {type(value).__name__}; overrides take "
             "one scalar (a bool, number, string or null)")
     return Override(section, key, value, text)
+
+
+def _current_name(section: str, key: str, source: str) -> str:
+    """``key``, or the name it was renamed to (with a FutureWarning naming both)."""
+    new = _RENAMED.get((section, key))
+    if new is None:
+        return key
+    warnings.warn(f"{source}: {section}.{key} is deprecated; call it {section}.{new}",
+                  FutureWarning, stacklevel=3)
+    return new
 
 
 def _closest(word: str, options: Iterable[str]) -> Optional[str]:
@@ -469,37 +466,54 @@ def from_dict(data: Optional[Mapping], overrides: Iterable[str | Override] = (),
             raise ConfigError(f"{source}: section {section!r} must be a mapping of keys, "
                               f"got {body!r} ({type(body).__name__})")
         for key, value in body.items():
-            _check_known(section, str(key), source)
+            key = _current_name(section, str(key), source)
+            _check_known(section, key, source)
+            if (section, key) in values:
+                raise ConfigError(f"{source}: {section}.{key} is given twice (once under its old "
+                                  f"name); keep only {section}.{key}")
             values[(section, key)] = (value, source, False)
     for o in parsed:
         values[(o.section, o.key)] = (o.value, f"override {o.text!r}", True)
 
-    sections = {}
-    for name, cls in _SECTIONS.items():
-        kwargs = {}
-        for f in dataclasses.fields(cls):
-            if (name, f.name) not in values:
-                continue
-            value, where, lenient = values[(name, f.name)]
-            rule = f.metadata["rule"]
-            try:
-                kwargs[f.name] = rule.coerce(value, lenient)
-            except _Reject as reject:
-                raise _value_error(f"{name}.{f.name}", value, rule, where, reject.why) from None
-        sections[name] = _build_section(cls, kwargs, source, parsed)
+    sections = {name: _build_section(name, {key: values[(name, key)] for key in _rules(name)
+                                            if (name, key) in values}, source, parsed)
+                for name in _SECTIONS}
     return RunConfig(**sections)
 
 
-def _build_section(cls, kwargs: dict, source: str, overrides: list) -> _Section:
-    # Values are already checked; what can still fail are checks spanning several keys, which
-    # may mix file and override values, so the message names both origins.
+def _read(section: str, key: str, given: tuple) -> Any:
+    """One value through its key's rule; ``given`` is ``(value, where, lenient)``."""
+    value, where, lenient = given
+    rule = _rules(section)[key]
+    try:
+        return rule.coerce(value, lenient)
+    except _Reject as reject:
+        raise _value_error(f"{section}.{key}", value, rule, where, reject.why) from None
+
+
+def _build_section(name: str, given: dict, source: str, overrides: list):
+    """A section from ``{key: (value, where, lenient)}``; errors name the key and its origin."""
+    cls = _SECTIONS[name]
+    origin = source
+    if overrides:
+        origin += " with overrides " + ", ".join(repr(o.text) for o in overrides)
+    if cls is GradPoolConfig:
+        # The library's config knows no YAML: read each key by its rule here, then let the
+        # library check what it checks at its own boundary.
+        kwargs = {key: _read(name, key, value) for key, value in given.items()}
+        try:
+            return GradPoolConfig(**kwargs)
+        except InvalidArgumentError as exc:
+            raise ConfigError(f"{origin}: section {name!r}: {exc}") from None
+    # Shell words (true/yes/on ...) are read here; every other check is the section's own.
+    kwargs = {key: _read(name, key, value) if value[2] else value[0]
+              for key, value in given.items()}
     try:
         return cls(**kwargs)
     except ConfigValueError as exc:
-        origin = source
-        if overrides:
-            origin += " with overrides " + ", ".join(repr(o.text) for o in overrides)
-        message = str(exc).replace(f"{cls.__name__}(...)", origin, 1)
+        key = exc.key.split(".", 1)[1] if exc.key else None
+        where = given[key][1] if getattr(exc, "single_key", False) and key in given else origin
+        message = str(exc).replace(f"{cls.__name__}(...)", where, 1)
         raise ConfigValueError(message, key=exc.key, given=exc.given,
                                allowed=exc.allowed) from None
 

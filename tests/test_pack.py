@@ -1,24 +1,37 @@
-"""gradpool.copy: every write is read back from the bucket and compared with NumPy."""
+"""gradpool.pack: every write is read back from the bucket and compared with NumPy."""
 import mindspore as ms
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from gradpool import copy as gcopy
+from gradpool import pack as packing
 from gradpool.errors import (ForeignLeaseError, LayoutMismatchError, LeaseStateError,
                              UnsupportedDtypeError)
-from gradpool.layout import ReduceScatterLayout
+from gradpool.layout import GradSlot, ReduceScatterLayout
+from gradpool.comm import SingleProcessCommunicator
 from gradpool.pool import BucketPool
+from gradpool.reducer import GradReducer, ReducerConfig
 from npref import exact_grid, np_pack, np_shards, raw_bytes, values
 
 ms.set_device("CPU")
 
 
+_PATH = {"host": True}
+
+
 @pytest.fixture(params=["host-copies", "device-copies"], autouse=True)
-def copy_path(request, monkeypatch):
+def copy_path(request):
     """Every test runs on the CPU NumPy path and on the device (Ascend-portable) path."""
-    monkeypatch.setattr(gcopy, "HOST_COPIES", request.param == "host-copies")
+    _PATH["host"] = request.param == "host-copies"
     return request.param
+
+
+def pack(lease, grads, layout):
+    return packing.pack(lease, grads, layout, host=_PATH["host"])
+
+
+def accumulate(lease, grads, layout):
+    return packing.accumulate(lease, grads, layout, host=_PATH["host"])
 
 
 DTYPES = [ms.float32, ms.float16, ms.bfloat16]
@@ -49,7 +62,7 @@ def test_pack_reads_back_as_numpy_pack(grad_dtype, bucket_dtype, shapes, world):
     pool = BucketPool(poison_on_release=True, alignment_bytes=64)   # 16 x fp32: whole buckets
     pool.acquire(layout.total_numel, bucket_dtype).release()     # poisoned: padding must be zeroed
     lease = pool.acquire(layout.total_numel, bucket_dtype)
-    gcopy.pack(lease, tensors(arrays, grad_dtype, transposed=True), layout)
+    pack(lease, tensors(arrays, grad_dtype, transposed=True), layout)
     np.testing.assert_array_equal(values(lease.tensor), np_pack(arrays, layout))
     lease.release()
 
@@ -58,14 +71,14 @@ def test_pack_reads_back_as_numpy_pack(grad_dtype, bucket_dtype, shapes, world):
                                     (ms.float32, ms.float16)])
 def test_each_path_is_taken_when_selected(copy_path, dtypes, monkeypatch):
     calls = []
-    monkeypatch.setattr(gcopy, "_host_write", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(packing, "_host_write", lambda *a, **k: calls.append(a))
     grad_dtype, bucket_dtype = dtypes
     layout = ReduceScatterLayout.build([(256,)], 1)
     lease = BucketPool(alignment_bytes=4).acquire(256, bucket_dtype)
-    gcopy.pack(lease, [ms.Tensor(np.ones(256, np.float32)).astype(grad_dtype)], layout)
+    pack(lease, [ms.Tensor(np.ones(256, np.float32)).astype(grad_dtype)], layout)
     assert len(calls) == (1 if copy_path == "host-copies" else 0)
     ascend_pool_lease = BucketPool(device="Ascend", alignment_bytes=4).acquire(256, bucket_dtype)
-    gcopy.pack(ascend_pool_lease, [ms.Tensor(np.ones(256, np.float32)).astype(grad_dtype)], layout)
+    pack(ascend_pool_lease, [ms.Tensor(np.ones(256, np.float32)).astype(grad_dtype)], layout)
     assert len(calls) == (1 if copy_path == "host-copies" else 0), "host path is CPU-only"
 
 
@@ -75,13 +88,13 @@ def test_pack_into_part_of_a_larger_bucket(bucket_dtype):
     pool = BucketPool()
     big = pool.acquire(4096, bucket_dtype)
     sentinel = np.full(4096, 3.5)
-    gcopy.pack(big, [ms.Tensor(sentinel.astype(np.float32))], ReduceScatterLayout.build([(4096,)], 1))
+    pack(big, [ms.Tensor(sentinel.astype(np.float32))], ReduceScatterLayout.build([(4096,)], 1))
     big.release()
     layout = ReduceScatterLayout.build([(10, 3)], 2, 1)
     lease = pool.acquire(layout.total_numel, bucket_dtype)
     assert not lease.is_whole_bucket
     arrays = [exact_grid(np.random.default_rng(0), (10, 3))]
-    gcopy.pack(lease, tensors(arrays, ms.float32), layout)
+    pack(lease, tensors(arrays, ms.float32), layout)
     np.testing.assert_array_equal(values(lease.tensor), np_pack(arrays, layout))
     tail = values(lease.allocation)[layout.total_numel:]
     np.testing.assert_array_equal(tail, sentinel[layout.total_numel:])
@@ -100,9 +113,9 @@ def test_accumulate_adds_micro_steps(bucket_dtype, whole):
     steps = [[exact_grid(rng, s) for s in shapes] for _ in range(3)]
     lease = pool.acquire(layout.total_numel, bucket_dtype)
     assert lease.is_whole_bucket == whole
-    gcopy.pack(lease, tensors(steps[0], ms.float32), layout)
+    pack(lease, tensors(steps[0], ms.float32), layout)
     for arrays in steps[1:]:
-        gcopy.accumulate(lease, tensors(arrays, ms.bfloat16), layout)
+        accumulate(lease, tensors(arrays, ms.bfloat16), layout)
     want = sum(np_pack(a, layout) for a in steps)
     np.testing.assert_array_equal(values(lease.tensor), want)
     lease.release()
@@ -113,7 +126,7 @@ def test_shard_views_are_views_of_the_output():
     layout = ReduceScatterLayout.build(shapes, 2, 16, shard_dims=[0, 0, 1])
     row = np.arange(layout.row_numel, dtype=np.float32)
     out = ms.Tensor(row.copy())
-    views = gcopy.shard_views(out, layout)
+    views = packing.shard_views(out, layout)
     assert [tuple(v.shape) for v in views] == [(4, 3), (3,), (4, 3)]
     for got, want in zip(views, np_shards(row, layout)):
         np.testing.assert_array_equal(values(got), want)
@@ -130,7 +143,7 @@ def test_pack_property(shapes, world, alignment, dtype):
     layout = ReduceScatterLayout.build(shapes, world, alignment)
     pool = BucketPool()
     lease = pool.acquire(layout.total_numel, dtype)
-    gcopy.pack(lease, tensors(arrays, ms.float32), layout)
+    pack(lease, tensors(arrays, ms.float32), layout)
     np.testing.assert_array_equal(values(lease.tensor), np_pack(arrays, layout))
     lease.release()
 
@@ -141,12 +154,26 @@ def test_pack_leaves_the_source_untouched_and_counts_bytes():
     before = raw_bytes(grad)
     layout = ReduceScatterLayout.build([(64,)], 1)
     lease = pool.acquire(64, ms.float32)
-    gcopy.pack(lease, [grad], layout)
+    written = pack(lease, [grad], layout)
     grad_view = grad.reshape(8, 8)
     assert raw_bytes(grad) == before and raw_bytes(grad_view) == before
-    s = pool.stats()
-    assert s.bytes_copied == 256 and s.copy_seconds > 0 and s.padding_bytes == 0
+    assert (written.nbytes, written.padding_bytes, written.on_host) == (256, 0, _PATH["host"])
+    assert pool.stats().bytes_copied == 0, "the pack reports; the reducer records"
     lease.release()
+
+
+def test_reducer_records_what_the_pack_wrote():
+    pool = BucketPool()
+    reducer = GradReducer(pool, SingleProcessCommunicator(),
+                          ReducerConfig(comm_fusion=True, host_copies=_PATH["host"]))
+    grads = [ms.Tensor(np.arange(64, dtype=np.float32)), ms.Tensor(np.ones(5, np.float32))]
+    layout = ReduceScatterLayout.build([(64,), (5,)], 1, pool.alignment_elements(ms.float32))
+    reducer.pack(grads)[0].lease.release()
+    s = pool.stats()
+    assert s.bytes_copied == layout.total_numel * 4 and s.copy_seconds > 0
+    assert s.padding_bytes == layout.padding_numel * 4 > 0
+    reducer.accumulate(reducer.pack(grads, allow_borrow=False), grads)
+    assert pool.stats().padding_bytes == 2 * s.padding_bytes, "an accumulate adds no padding"
 
 
 # -- bad input --------------------------------------------------------------------------------
@@ -161,15 +188,15 @@ def _setup():
 
 
 BAD_PACKS = {
-    "count": (lambda l, g: gcopy.pack(l["ok"], g[:1], LAYOUT), LayoutMismatchError,
+    "count": (lambda l, g: pack(l["ok"], g[:1], LAYOUT), LayoutMismatchError,
               "got 1 gradients for a layout of 2"),
-    "shape": (lambda l, g: gcopy.pack(l["ok"], [g[0], ms.Tensor(np.zeros(5, np.float32))], LAYOUT),
+    "shape": (lambda l, g: pack(l["ok"], [g[0], ms.Tensor(np.zeros(5, np.float32))], LAYOUT),
               LayoutMismatchError, "gradient 1 has shape (5,); the layout expects (3,)"),
-    "dtype": (lambda l, g: gcopy.pack(l["ok"], [g[0], ms.Tensor(np.zeros(3, np.int32))], LAYOUT),
+    "dtype": (lambda l, g: pack(l["ok"], [g[0], ms.Tensor(np.zeros(3, np.int32))], LAYOUT),
               UnsupportedDtypeError, "Int32"),
-    "released": (lambda l, g: gcopy.accumulate(l["released"], g, LAYOUT), LeaseStateError,
+    "released": (lambda l, g: accumulate(l["released"], g, LAYOUT), LeaseStateError,
                  "released"),
-    "size": (lambda l, g: gcopy.pack(l["wrong_size"], g, LAYOUT), LayoutMismatchError,
+    "size": (lambda l, g: pack(l["wrong_size"], g, LAYOUT), LayoutMismatchError,
              "lease holds 13 elements; the layout needs 12"),
 }
 LAYOUT = ReduceScatterLayout.build([(4, 2), (3,)], 2, 1)
@@ -203,9 +230,33 @@ def test_accumulate_rounds_once_into_a_narrower_bucket():
     first, second = (rng.standard_normal(512).astype(np.float32) for _ in range(2))
     layout = ReduceScatterLayout.build([(512,)], 1)
     lease = BucketPool(alignment_bytes=4).acquire(512, ms.float16)
-    gcopy.pack(lease, [ms.Tensor(first)], layout)
-    gcopy.accumulate(lease, [ms.Tensor(second)], layout)
+    pack(lease, [ms.Tensor(first)], layout)
+    accumulate(lease, [ms.Tensor(second)], layout)
     want = (first.astype(np.float16).astype(np.float32) + second).astype(np.float16)
     twice = (first.astype(np.float16) + second.astype(np.float16)).astype(np.float16)
     assert (want != twice).any(), "the data must tell the two roundings apart"
     np.testing.assert_array_equal(lease.tensor.asnumpy(), want)
+
+
+# -- one parameter's chunk geometry -----------------------------------------------------------
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=st.lists(st.integers(1, 7), min_size=1, max_size=4), world=st.integers(1, 5),
+       data=st.data())
+def test_local_shards_unshard_back_to_the_parameter(shape, world, data):
+    """Shard every rank's chunk, concatenate them as an all-gather would, unshard: the parameter
+    comes back bit for bit, for every shard dim and uneven sizes; each chunk is NumPy's."""
+    dim = data.draw(st.integers(0, len(shape) - 1))
+    slot = GradSlot.of(shape, world, dim)
+    full = np.random.default_rng(len(shape) * 10 + world).standard_normal(shape).astype(np.float32)
+    shards = [packing.local_shard(ms.Tensor(full), slot, rank) for rank in range(world)]
+    padded = np.zeros(slot.padded_shape, np.float32)
+    padded[tuple(slice(0, d) for d in shape)] = full
+    for rank, shard in enumerate(shards):
+        want = np.take(padded, range(rank * slot.chunk_size, (rank + 1) * slot.chunk_size),
+                       axis=dim)
+        assert tuple(shard.shape) == slot.chunk_shape
+        np.testing.assert_array_equal(shard.asnumpy(), want)
+    gathered = ms.Tensor(np.concatenate([s.asnumpy().reshape(-1) for s in shards]))
+    back = packing.unshard(gathered, slot)
+    assert tuple(back.shape) == tuple(shape)
+    np.testing.assert_array_equal(back.asnumpy(), full)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-from gradpool import _rank_entry
+from gradpool.app import _rank_entry
 from gradpool.errors import InvalidArgumentError, LaunchError
 
 logger = logging.getLogger("gradpool.launch")   # also when run as __main__

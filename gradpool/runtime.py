@@ -1,0 +1,133 @@
+"""What a reduce path needs, built from one :class:`GradPoolConfig`: a pool, a communicator and
+reducers on them.
+
+Usage::
+
+    runtime = runtime_for(GradPoolConfig(poison_on_release=True))   # shared per config
+    reducer = runtime.reducer(reduce_dtype=ms.float32, comm_fusion=True)
+
+Units built with equal configs share one runtime, so nested ``fully_shard`` units reuse each
+other's buckets.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from gradpool.comm import Communicator, communicator_for, init_distributed
+from gradpool.device import device_target
+from gradpool.errors import InvalidArgumentError
+from gradpool.pool import BucketPool
+from gradpool.reducer import GradReducer, ReducerConfig
+
+MIB = 1024 * 1024
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"GradPoolConfig.{name} must be a bool, got {value!r}")
+
+
+def _check_positive(name: str, value: Any, integer: bool, nullable: bool) -> None:
+    if value is None and nullable:
+        return
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) \
+            or not math.isfinite(value) or value <= 0:
+        what = "an int >= 1" if integer else "a finite number > 0"
+        raise InvalidArgumentError(
+            f"GradPoolConfig.{name} must be {what}{' or None' if nullable else ''}, "
+            f"got {value!r}")
+
+
+@dataclass(frozen=True)
+class GradPoolConfig:
+    """Pool options of a reduce path (what ``fully_shard(pool_config=...)`` takes).
+
+    ``bucket_cap_mib``: largest fused bucket. ``max_buckets_in_flight``: buckets per dtype whose
+    collective may still run before ``acquire`` waits for the oldest (None: no bound).
+    ``alignment_bytes``: chunk alignment and bucket size granularity. ``zero_copy``: let the
+    collective read a gradient in place when the layout allows. ``poison_on_release``: fill
+    recycled buckets with NaN (debug). ``max_cached_mib``: cap on memory the pool holds (None: no
+    cap). ``verify_gradients``: checksum each gradient on arrival and after its reduce (debug)."""
+
+    bucket_cap_mib: float = 25.0
+    max_buckets_in_flight: Optional[int] = 2
+    alignment_bytes: int = 512
+    zero_copy: bool = False
+    poison_on_release: bool = False
+    max_cached_mib: Optional[float] = None
+    verify_gradients: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("zero_copy", "poison_on_release", "verify_gradients"):
+            _check_bool(name, getattr(self, name))
+        _check_positive("bucket_cap_mib", self.bucket_cap_mib, integer=False, nullable=False)
+        _check_positive("max_buckets_in_flight", self.max_buckets_in_flight, integer=True,
+                        nullable=True)
+        _check_positive("max_cached_mib", self.max_cached_mib, integer=False, nullable=True)
+        if isinstance(self.alignment_bytes, bool) or not isinstance(self.alignment_bytes, int) \
+                or self.alignment_bytes < 4 or self.alignment_bytes % 4:
+            raise InvalidArgumentError(
+                f"GradPoolConfig.alignment_bytes must be a positive multiple of 4, got "
+                f"{self.alignment_bytes!r}")
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        # ceil: any positive MiB must give at least one byte, never a zero-size cap.
+        return math.ceil(self.bucket_cap_mib * MIB)
+
+    @property
+    def max_cached_bytes(self) -> Optional[int]:
+        return None if self.max_cached_mib is None else math.ceil(self.max_cached_mib * MIB)
+
+    def pool_kwargs(self) -> dict:
+        """Keyword arguments of :class:`gradpool.pool.BucketPool` (all but the device's)."""
+        return {"alignment_bytes": self.alignment_bytes, "max_cached_bytes": self.max_cached_bytes,
+                "poison_on_release": self.poison_on_release,
+                "max_buckets_in_flight": self.max_buckets_in_flight}
+
+
+@dataclass
+class Runtime:
+    config: GradPoolConfig
+    pool: BucketPool
+    comm: Communicator
+
+    def reducer(self, reduce_dtype=None, comm_fusion: bool = False) -> GradReducer:
+        """A reducer on this runtime's pool and communicator."""
+        return GradReducer(self.pool, self.comm, ReducerConfig(
+            reduce_dtype=reduce_dtype, comm_fusion=comm_fusion,
+            bucket_cap_mib=self.config.bucket_cap_mib, zero_copy=self.config.zero_copy))
+
+
+def build_runtime(config: GradPoolConfig, comm: Optional[Communicator] = None) -> Runtime:
+    """A new pool on this process's device and ``comm`` (None: :func:`communicator_for`)."""
+    if not isinstance(config, GradPoolConfig):
+        raise InvalidArgumentError(f"config must be a GradPoolConfig, got {config!r}")
+    init_distributed()
+    device = device_target()
+    # Timing each copy synchronizes the device; on Ascend that would serialize copy and comm.
+    pool = BucketPool(device=device, timed_copies=device != "Ascend", **config.pool_kwargs())
+    return Runtime(config, pool, comm if comm is not None else communicator_for(device))
+
+
+_RUNTIMES: dict[GradPoolConfig, Runtime] = {}
+
+
+def runtime_for(config: GradPoolConfig) -> Runtime:
+    """The process-wide runtime of ``config`` (built on first use)."""
+    runtime = _RUNTIMES.get(config)
+    if runtime is None:
+        runtime = _RUNTIMES[config] = build_runtime(config)
+    return runtime
+
+
+def all_runtimes() -> list[Runtime]:
+    return list(_RUNTIMES.values())
+
+
+def reset_runtimes() -> None:
+    """Forget every runtime (tests that build models with different communicators)."""
+    _RUNTIMES.clear()

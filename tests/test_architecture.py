@@ -1,0 +1,93 @@
+"""The layering of gradpool, enforced on the source: imports only point down.
+
+Bottom up: errors; layout, dtypes, device; pool | comm (siblings); pack; reducer; runtime and
+testing. hyper_parallel sits on top and imports gradpool only through its root; gradpool.app,
+the CLI and the benchmarks runner sit on top of both.
+"""
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CORE = ROOT / "gradpool"
+# A core module may import only core modules of a strictly lower layer.
+LAYER = {"errors": 0, "layout": 1, "dtypes": 1, "device": 1, "pool": 2, "comm": 2, "pack": 3,
+         "reducer": 4, "runtime": 5, "testing": 5}
+ABOVE_CORE = ("hyper_parallel", "gradpool.app", "benchmarks")
+
+
+def imported_modules(path: pathlib.Path) -> list[str]:
+    """Every module ``path`` imports, anywhere in the file (inside functions too)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:       # relative: resolve against the file's package
+                package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-node.level])
+                base = f"{package}.{node.module}" if node.module else package
+            else:
+                base = node.module
+            found.append(base)
+            # ``from gradpool import pack`` imports the submodule gradpool.pack
+            found += [f"{base}.{alias.name}" for alias in node.names]
+    return found
+
+
+def core_files():
+    return sorted(p for p in CORE.glob("*.py") if p.stem not in ("__init__", "__main__"))
+
+
+def test_every_core_module_has_a_layer():
+    assert {p.stem for p in core_files()} == set(LAYER)
+
+
+@pytest.mark.parametrize("path", core_files(), ids=lambda p: p.stem)
+def test_core_imports_point_down(path):
+    mine = LAYER[path.stem]
+    for module in imported_modules(path):
+        parts = module.split(".")
+        assert not module.startswith(ABOVE_CORE), f"{path.name} imports {module}"
+        if parts[0] != "gradpool" or len(parts) < 2 or parts[1] not in LAYER:
+            continue
+        assert LAYER[parts[1]] < mine, \
+            f"{path.name} (layer {mine}) imports {module} (layer {LAYER[parts[1]]})"
+
+
+def test_pool_and_comm_do_not_know_each_other():
+    assert not any(m.startswith("gradpool.comm") for m in imported_modules(CORE / "pool.py"))
+    assert not any(m.startswith("gradpool.pool") for m in imported_modules(CORE / "comm.py"))
+
+
+def test_layout_is_pure_python():
+    for module in imported_modules(CORE / "layout.py"):
+        assert not module.startswith(("mindspore", "numpy")), module
+        if module.startswith("gradpool."):
+            assert module.startswith("gradpool.errors"), module
+
+
+def test_the_facade_names_resolve_and_stay_below_the_application():
+    import gradpool
+    for name in gradpool.__all__:
+        assert getattr(gradpool, name) is not None, name
+    for module in imported_modules(CORE / "__init__.py"):
+        assert not module.startswith(ABOVE_CORE), module
+    for required in ("BucketPool", "Lease", "PoolStats", "ReduceScatterLayout", "GradReducer",
+                     "ReducerConfig", "ReduceResult", "GradPoolConfig", "communicator_for",
+                     "SingleProcessCommunicator", "SUPPORTED_DTYPES", "GradPoolError",
+                     "InvalidArgumentError", "LeaseStateError", "PoolCapacityError"):
+        assert required in gradpool.__all__, required
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "hyper_parallel").rglob("*.py")),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_hyper_parallel_imports_gradpool_only_through_its_root(path):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gradpool"):
+            assert node.module == "gradpool", f"{path.name}: from {node.module} import ..."
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                assert not alias.name.startswith("gradpool."), f"{path.name}: import {alias.name}"
