@@ -21,7 +21,7 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "gradpool.pool": ("BucketPool", "Lease", "PoolStats", "Fence", "fence_done"),
+    "gradpool.pool": ("BucketPool", "Lease", "PoolStats", "Fence", "fence_done", "as_fence"),
     "gradpool.layout": ("ReduceScatterLayout", "GradSlot"),
     "gradpool.pack": ("chunk_rows", "local_shard", "unshard", "shard_views", "flat_view"),
     "gradpool.reducer": ("GradReducer", "ReducerConfig", "ReduceResult", "PackedBucket"),
@@ -35,7 +35,7 @@ _EXPORTS = {
                         "itemsize", "overwrite", "writable_view", "nan_fill"),
     "gradpool.device": ("SUPPORTED_DEVICES", "device_target", "synchronize"),
     "gradpool.errors": ("GradPoolError", "InvalidArgumentError", "UnsupportedDtypeError",
-                        "LayoutMismatchError", "LeaseStateError", "ForeignLeaseError",
+                        "LayoutMismatchError", "LeaseStateError", "ForeignLeaseError", "InvalidFenceError",
                         "PoolCapacityError", "CommError", "LaunchError", "ConfigError",
                         "ConfigValueError", "UnknownConfigKeyError", "OverrideSyntaxError",
                         "GradientIntegrityError"),

@@ -22,6 +22,7 @@ import abc
 import functools
 import logging
 import os
+import threading
 from typing import Callable, Optional
 
 import mindspore as ms
@@ -78,17 +79,20 @@ class _WrappedHandle(CommHandle):
         self._after = after
         self._done = False
         self._error: Optional[CommError] = None
+        # wait() may be reached from two threads (a pool reaping from a monitoring thread, the
+        # owner waiting for its result): ``after`` must run exactly once.
+        self._lock = threading.Lock()
 
     def wait(self) -> None:
-        if not self._done:
-            try:
-                self._handle.wait()
-                if self._after is not None:
-                    self._after()
-            except Exception as exc:  # noqa: BLE001 - re-raised typed, on every wait()
-                self._error = CommError(f"{self._what} failed while waiting: {exc}")
-                self._error.__cause__ = exc
-            finally:
+        with self._lock:
+            if not self._done:
+                try:
+                    self._handle.wait()
+                    if self._after is not None:
+                        self._after()
+                except Exception as exc:  # noqa: BLE001 - re-raised typed, on every wait()
+                    self._error = CommError(f"{self._what} failed while waiting: {exc}")
+                    self._error.__cause__ = exc
                 self._done = True
         if self._error is not None:
             raise self._error

@@ -1,9 +1,22 @@
-"""The device target, and waiting for queued work on it (PyNative launches ops asynchronously)."""
+"""The device target, its memory size, and waiting for queued work on it (PyNative launches ops
+asynchronously)."""
 from __future__ import annotations
+
+import os
 
 import mindspore as ms
 
 SUPPORTED_DEVICES = ("CPU", "Ascend")
+# An Ascend 910B card's HBM (64 GB): no bucket can be larger than the card.
+ASCEND_910B_HBM_BYTES = 64 * 2 ** 30
+
+
+def device_memory_bytes(device: str) -> int:
+    """The most memory one allocation on ``device`` could ever get: the host's physical memory on
+    CPU, the card's HBM on Ascend."""
+    if device == "Ascend":
+        return ASCEND_910B_HBM_BYTES
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def device_target() -> str:

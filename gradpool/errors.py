@@ -20,6 +20,10 @@ class LayoutMismatchError(GradPoolError, ValueError):
     """Gradients handed to a pack or accumulate do not match the layout they are packed by."""
 
 
+class InvalidFenceError(GradPoolError, TypeError):
+    """What was passed as a fence has no ``wait()``: the pool cannot know when it is done."""
+
+
 class LeaseStateError(GradPoolError, RuntimeError):
     """A lease was used after release, or released twice."""
 

@@ -9,36 +9,44 @@ only touch idle buckets with no live lease and no pending fence.
 
 Lifetimes:
 
-* ``acquire`` -> ``Lease`` (live) -> ``lease.release(fence)`` -> bucket *fenced* until
-  ``fence.is_completed()`` -> (poisoned with NaN if asked) -> *free*, acquirable again.
+* ``acquire`` -> ``Lease`` (live) -> ``lease.release(fence)`` -> bucket *fenced* until the fence
+  completes -> (poisoned with NaN if asked) -> *free*, acquirable again.
 * ``max_buckets_in_flight`` bounds the buckets per dtype whose collective may still be running
   (fenced): an ``acquire`` that finds that many waits for the oldest fence first (a stall).
 * With no free bucket large enough, ``acquire`` allocates, unless that would pass
   ``max_cached_bytes``: then it waits for a fenced bucket that fits, else evicts idle buckets,
   else raises :class:`PoolCapacityError` (leaving the pool as it was).
-* A fence whose ``is_completed()`` or ``wait()`` raises is over as far as memory goes: the bucket
-  is recycled and the error is left to whoever waits on that handle for its result.
+* Fences: see :meth:`Lease.release`.
+
+Robustness: each bucket's state is one attribute (free, fenced or leased) and every statistic
+that counts buckets or bytes is derived from the bucket records, so the pool can never report
+bytes it does not hold. Every state change is a plain attribute store made after the last call
+that can raise (a ``KeyboardInterrupt`` included), or is rolled back. One re-entrant lock guards
+the pool's state, so one pool may be used from several threads; ``stats()`` is a consistent
+snapshot taken under it.
 """
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Protocol
 
 import mindspore as ms
 from mindspore import mint
 
-from gradpool.device import SUPPORTED_DEVICES, device_target
+from gradpool.device import SUPPORTED_DEVICES, device_memory_bytes, device_target
 from gradpool.dtypes import check_dtype, itemsize, nan_fill, writable_view
-from gradpool.errors import (ForeignLeaseError, InvalidArgumentError, LeaseStateError,
-                             PoolCapacityError)
+from gradpool.errors import (ForeignLeaseError, InvalidArgumentError, InvalidFenceError,
+                             LeaseStateError, PoolCapacityError)
 from gradpool.layout import round_up
 
 logger = logging.getLogger(__name__)
 
 _pool_ids = itertools.count(1)
+_FREE, _FENCED, _LEASED = "free", "fenced", "leased"
 
 
 class Fence(Protocol):
@@ -47,6 +55,52 @@ class Fence(Protocol):
     def wait(self) -> Any: ...
 
     def is_completed(self) -> bool: ...
+
+
+class _WaitOnlyFence:
+    """A handle with ``wait()`` but no ``is_completed()`` (MindSpore 2.10's ``CommHandle``): it
+    counts as in flight until someone has waited on it through this wrapper, never guessed done."""
+
+    def __init__(self, handle):
+        self._handle = handle
+        self._waited = False
+
+    def wait(self) -> Any:
+        try:
+            return self._handle.wait()
+        finally:
+            self._waited = True     # a wait that raised is over all the same
+
+    def is_completed(self) -> bool:
+        return self._waited
+
+    def __repr__(self) -> str:
+        return f"_WaitOnlyFence({self._handle!r}, waited={self._waited})"
+
+
+def as_fence(handle) -> Optional[Fence]:
+    """``handle`` as a fence: itself when it has ``wait()`` and ``is_completed()``, wrapped when it
+    has ``wait()`` only (done once waited through the wrapper), None for None; anything else is
+    refused with :class:`InvalidFenceError`."""
+    if handle is None or isinstance(handle, _WaitOnlyFence):
+        return handle
+    if not callable(getattr(handle, "wait", None)):
+        raise InvalidFenceError(
+            f"a fence needs a wait() method (and ideally is_completed()); got "
+            f"{type(handle).__name__} {handle!r}. Pass the collective's handle, or None")
+    if callable(getattr(handle, "is_completed", None)):
+        return handle
+    return _WaitOnlyFence(handle)
+
+
+def fence_done(fence: Fence) -> bool:
+    """``fence.is_completed()``; a fence whose ``is_completed()`` raises counts as completed (a
+    broken handle reads nothing any more), and the error goes to whoever waits on it."""
+    try:
+        return bool(fence.is_completed())
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("fence %r raised in is_completed(), treated as completed: %s", fence, exc)
+        return True
 
 
 @dataclass
@@ -79,19 +133,14 @@ class _Bucket:
     tensor: ms.Tensor         # the whole allocation, flat, created by the pool
     dtype: Any
     capacity: int             # elements
+    state: str = _FREE
     fence: Optional[Fence] = None
+    fenced_order: int = 0     # FIFO position among fenced buckets (waits go oldest first)
+    lease: Optional["Lease"] = None
 
     @property
     def nbytes(self) -> int:
         return self.capacity * itemsize(self.dtype)
-
-
-def fence_done(fence: Fence) -> bool:
-    try:
-        return fence.is_completed()
-    except Exception as exc:  # noqa: BLE001 - a broken handle reads nothing any more
-        logger.warning("fence %r raised in is_completed(), treated as completed: %s", fence, exc)
-        return True
 
 
 def _release_storage(bucket: _Bucket) -> None:
@@ -143,7 +192,18 @@ class Lease:
         return self.numel * itemsize(self.dtype)
 
     def release(self, fence: Optional[Fence] = None) -> None:
-        """Give the bucket back; it is reused only after ``fence`` (None: already done) completes."""
+        """Give the bucket back; it is leased again only after ``fence`` has completed.
+
+        ``fence`` is the handle of the collective still reading (or writing) the bucket:
+
+        * None: nothing is in flight, the bucket is reusable at once;
+        * an object with ``is_completed()`` and ``wait()``: reusable once ``is_completed()`` is
+          true or the pool has waited on it (an ``is_completed()`` that raises counts as done);
+        * an object with ``wait()`` only (MindSpore 2.10's ``CommHandle``): in flight until
+          someone waits on it through the pool (``acquire`` at the in-flight bound,
+          ``wait_all()``) or through the reducer's result; never guessed done;
+        * anything else: :class:`InvalidFenceError`, and the lease stays live.
+        """
         self._pool.release(self, fence)
 
     def __repr__(self) -> str:
@@ -151,10 +211,12 @@ class Lease:
         return f"Lease({self.numel} x {self.dtype}, {state})"
 
 
-@dataclass
-class _FreeLists:
-    free: list = field(default_factory=list)     # idle buckets, no fence
-    fenced: list = field(default_factory=list)   # released, waiting for their fence (FIFO)
+def _check_size(name: str, value, minimum: int, nullable: bool = False) -> None:
+    if value is None and nullable:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidArgumentError(
+            f"{name} must be an int >= {minimum}{' or None' if nullable else ''}, got {value!r}")
 
 
 class BucketPool:
@@ -172,15 +234,17 @@ class BucketPool:
     def __init__(self, device: Optional[str] = None, alignment_bytes: int = 512,
                  max_cached_bytes: Optional[int] = None, poison_on_release: bool = False,
                  max_buckets_in_flight: Optional[int] = None, timed_copies: bool = True):
-        if not isinstance(alignment_bytes, int) or alignment_bytes < 2 or alignment_bytes % 4:
+        if isinstance(alignment_bytes, bool) or not isinstance(alignment_bytes, int) \
+                or alignment_bytes < 4 or alignment_bytes % 4 or alignment_bytes > 2 ** 30:
             raise InvalidArgumentError(
-                f"alignment_bytes must be a positive multiple of 4, got {alignment_bytes!r}")
-        if max_cached_bytes is not None and max_cached_bytes <= 0:
-            raise InvalidArgumentError(
-                f"max_cached_bytes must be positive or None, got {max_cached_bytes!r}")
-        if max_buckets_in_flight is not None and max_buckets_in_flight < 1:
-            raise InvalidArgumentError(
-                f"max_buckets_in_flight must be >= 1 or None, got {max_buckets_in_flight!r}")
+                f"alignment_bytes must be a positive multiple of 4 up to 1 GiB, got "
+                f"{alignment_bytes!r}")
+        _check_size("max_cached_bytes", max_cached_bytes, 1, nullable=True)
+        _check_size("max_buckets_in_flight", max_buckets_in_flight, 1, nullable=True)
+        for name, flag in (("poison_on_release", poison_on_release),
+                           ("timed_copies", timed_copies)):
+            if not isinstance(flag, bool):
+                raise InvalidArgumentError(f"{name} must be a bool, got {flag!r}")
         # None: the process's device target. Copies take the NumPy host path only on "CPU".
         self.device = device if device is not None else device_target()
         if self.device not in SUPPORTED_DEVICES:
@@ -192,9 +256,12 @@ class BucketPool:
         self.poison_on_release = poison_on_release
         self.timed_copies = timed_copies
         self.pool_id = next(_pool_ids)
-        self._lists: dict[tuple, _FreeLists] = {}
-        self._live: set[Lease] = set()
-        self._stats = PoolStats()
+        self._buckets: list[_Bucket] = []
+        self._fence_order = itertools.count()
+        self._adopted: list[_Bucket] = []     # what the current acquire allocated
+        self._high_water = 0
+        self._stats = PoolStats()       # counters only; sizes are derived from _buckets
+        self._lock = threading.RLock()
 
     # -- public API -------------------------------------------------------------------------
     def alignment_elements(self, dtype) -> int:
@@ -202,33 +269,42 @@ class BucketPool:
 
     def reserve(self, dtype, numel: int, count: int = 1) -> None:
         """Pre-allocate ``count`` idle buckets of ``numel`` elements (rounded up to alignment)."""
+        _check_size("count", count, 1)
         self._check_request(numel, dtype)
-        if not isinstance(count, int) or count < 1:
-            raise InvalidArgumentError(f"count must be an int >= 1, got {count!r}")
         capacity = self._capacity_for(numel, dtype)
-        needed = capacity * itemsize(dtype) * count
-        self._check_cap(needed, f"reserve of {count} x {capacity * itemsize(dtype)} bytes")
-        for _ in range(count):
-            self._lists_for(dtype).free.append(self._allocate(capacity, dtype))
+        with self._lock:
+            needed = capacity * itemsize(dtype) * count
+            self._check_cap(needed, f"reserve of {count} x {capacity * itemsize(dtype)} bytes")
+            made = [self._allocate(capacity, dtype) for _ in range(count)]
+            self._adopt(made)
 
     def acquire(self, numel: int, dtype) -> Lease:
         """Lease a bucket of at least ``numel`` elements of ``dtype``; ``.tensor`` has exactly numel."""
         self._check_request(numel, dtype)
-        lists = self._lists_for(dtype)
-        self._reap(lists)
-        cap = self.max_buckets_in_flight
-        while cap is not None and len(lists.fenced) >= cap:
-            self._wait_for(lists, lists.fenced[0])
-        bucket = self._take_free(lists, numel)
-        if bucket is None:
-            bucket = self._grow(lists, numel, dtype)
-        else:
-            self._stats.reuses += 1
-        lease = Lease(self, bucket, numel)
-        self._live.add(lease)
-        return lease
+        with self._lock:
+            self._reap()
+            bound = self.max_buckets_in_flight
+            while bound is not None and len(self._in(_FENCED, dtype)) >= bound:
+                self._wait_for(self._oldest_fenced(dtype))
+            self._adopted = []
+            try:
+                bucket = self._take_free(dtype, numel)
+                reused = bucket is not None
+                if not reused:
+                    bucket = self._grow(numel, dtype)
+                lease = Lease(self, bucket, numel)
+            except BaseException:
+                self._forget_adopted()
+                raise
+            # commit: plain stores only, nothing between them can raise
+            bucket.lease = lease
+            bucket.state = _LEASED
+            if reused:
+                self._stats.reuses += 1
+            return lease
 
     def release(self, lease: Lease, fence: Optional[Fence] = None) -> None:
+        """See :meth:`Lease.release`."""
         if not isinstance(lease, Lease):
             raise ForeignLeaseError(
                 f"release() takes a Lease from this pool, got {type(lease).__name__} {lease!r}")
@@ -236,123 +312,155 @@ class BucketPool:
             raise ForeignLeaseError(
                 f"{lease!r} was issued by pool {lease.pool.pool_id}, not by this pool "
                 f"({self.pool_id}); release it through the pool that issued it")
-        if lease.released:
-            raise LeaseStateError(f"{lease!r} was already released; a lease is released once")
-        lease._released = True
-        self._live.discard(lease)
-        bucket = lease._bucket
-        bucket.fence = fence
-        lists = self._lists_for(bucket.dtype)
-        if fence is None or fence_done(fence):
-            self._recycle(lists, bucket)
-        else:
-            lists.fenced.append(bucket)
+        fence = as_fence(fence)
+        with self._lock:
+            if lease.released:
+                raise LeaseStateError(f"{lease!r} was already released; a lease is released once")
+            bucket = lease._bucket
+            done = fence is None or fence_done(fence)
+            if done:
+                self._poison(bucket)
+            order = next(self._fence_order)
+            # commit
+            lease._released = True
+            bucket.lease = None
+            bucket.fence = None if done else fence
+            bucket.fenced_order = order
+            bucket.state = _FREE if done else _FENCED
 
     def trim(self) -> int:
         """Release the storage of idle buckets (no lease, fence completed). Returns bytes freed."""
-        freed = 0
-        for lists in self._lists.values():
-            self._reap(lists)
-            for bucket in lists.free:
-                _release_storage(bucket)
-                freed += bucket.nbytes
-            lists.free.clear()
-        self._stats.bytes_reserved -= freed
-        self._stats.trimmed_bytes += freed
+        with self._lock:
+            self._reap()
+            freed = sum(self._drop(bucket) for bucket in self._in(_FREE))
         if freed:
             logger.debug("trimmed %d bytes", freed)
         return freed
 
     def wait_all(self) -> None:
         """Wait for every pending fence, then recycle those buckets."""
-        for lists in self._lists.values():
-            while lists.fenced:
-                self._wait_for(lists, lists.fenced[0])
+        with self._lock:
+            for bucket in sorted(self._in(_FENCED), key=lambda b: b.fenced_order):
+                self._wait_for(bucket)
 
     def stats(self) -> PoolStats:
-        for lists in self._lists.values():
-            self._reap(lists)
-        return replace(self._stats,
-                       live_leases=len(self._live),
-                       fenced_buckets=sum(len(l.fenced) for l in self._lists.values()),
-                       free_buckets=sum(len(l.free) for l in self._lists.values()))
+        """A consistent snapshot (reaps completed fences first)."""
+        with self._lock:
+            self._reap()
+            reserved = sum(b.nbytes for b in self._buckets)
+            return replace(self._stats, bytes_reserved=reserved,
+                           high_water_bytes=max(self._high_water, reserved),
+                           live_leases=len(self._in(_LEASED)),
+                           fenced_buckets=len(self._in(_FENCED)),
+                           free_buckets=len(self._in(_FREE)))
 
     def record_copy(self, nbytes: int, seconds: float, padding_bytes: int) -> None:
         """Account ``nbytes`` written into this pool's buckets (the reducer calls it per pack)."""
-        self._stats.bytes_copied += nbytes
-        self._stats.copy_seconds += seconds
-        self._stats.padding_bytes += padding_bytes
+        with self._lock:
+            self._stats.bytes_copied += nbytes
+            self._stats.copy_seconds += seconds
+            self._stats.padding_bytes += padding_bytes
 
     # -- internals ----------------------------------------------------------------------------
     def _check_request(self, numel, dtype) -> None:
-        if not isinstance(numel, int) or isinstance(numel, bool) or numel <= 0:
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel <= 0:
             raise InvalidArgumentError(f"numel must be a positive int, got {numel!r}")
         check_dtype(dtype)
+        nbytes = self._capacity_for(numel, dtype) * itemsize(dtype)
+        limit = device_memory_bytes(self.device)
+        if nbytes > limit:
+            raise PoolCapacityError(
+                f"a bucket of {numel} x {dtype} ({nbytes} bytes) cannot fit the {self.device} "
+                f"device's {limit} bytes of memory; reduce in smaller buckets")
+        if self.max_cached_bytes is not None and nbytes > self.max_cached_bytes:
+            raise PoolCapacityError(
+                f"a bucket of {numel} x {dtype} ({nbytes} bytes) exceeds "
+                f"max_cached_bytes={self.max_cached_bytes}; raise the cap or use smaller buckets")
 
     def _check_cap(self, new_bytes: int, what: str) -> None:
         cap = self.max_cached_bytes
-        if cap is not None and self._stats.bytes_reserved + new_bytes > cap:
+        reserved = sum(b.nbytes for b in self._buckets)
+        if cap is not None and reserved + new_bytes > cap:
             raise PoolCapacityError(
-                f"{what} would exceed "
-                f"max_cached_bytes={cap}: the pool already caches {self._stats.bytes_reserved} "
-                "bytes. Raise max_cached_bytes, release leases, or trim()")
+                f"{what} would exceed max_cached_bytes={cap}: the pool already caches "
+                f"{reserved} bytes. Raise max_cached_bytes, release leases, or trim()")
 
     def _capacity_for(self, numel: int, dtype) -> int:
         return round_up(numel, self.alignment_elements(dtype))
 
-    def _lists_for(self, dtype) -> _FreeLists:
-        return self._lists.setdefault((dtype, self.device), _FreeLists())
+    def _in(self, state: str, dtype=None) -> list[_Bucket]:
+        return [b for b in self._buckets if b.state == state and (dtype is None or b.dtype == dtype)]
+
+    def _oldest_fenced(self, dtype) -> _Bucket:
+        return min(self._in(_FENCED, dtype), key=lambda b: b.fenced_order)
 
     def _allocate(self, capacity: int, dtype) -> _Bucket:
+        """A new bucket record (not yet tracked); the allocation is made real here, so a failure
+        shows now and not at first touch."""
         tensor = mint.empty(capacity, dtype=dtype)
-        bucket = _Bucket(tensor=tensor, dtype=dtype, capacity=capacity)
-        self._stats.new_allocations += 1
-        self._stats.bytes_reserved += bucket.nbytes
-        self._stats.high_water_bytes = max(self._stats.high_water_bytes, self._stats.bytes_reserved)
-        return bucket
+        try:
+            tensor.untyped_storage().data_ptr()      # MindSpore allocates lazily: force it
+        except RuntimeError as exc:
+            raise PoolCapacityError(
+                f"allocating a bucket of {capacity} x {dtype} failed on {self.device}: {exc}; "
+                "reduce bucket_cap_mib or free memory") from None
+        return _Bucket(tensor=tensor, dtype=dtype, capacity=capacity)
 
-    @staticmethod
-    def _take_free(lists: _FreeLists, numel: int) -> Optional[_Bucket]:
-        fits = [b for b in lists.free if b.capacity >= numel]
-        if not fits:
-            return None
-        best = min(fits, key=lambda b: b.capacity)
-        lists.free.remove(best)
-        return best
+    def _adopt(self, buckets: list[_Bucket]) -> None:
+        """Track newly allocated buckets (one list extend: all or none)."""
+        self._adopted = buckets         # first, so an interrupted acquire can undo the extend
+        self._buckets.extend(buckets)
+        self._stats.new_allocations += len(buckets)
+        self._high_water = max(self._high_water, sum(b.nbytes for b in self._buckets))
 
-    def _grow(self, lists: _FreeLists, numel: int, dtype) -> _Bucket:
+    def _forget_adopted(self) -> None:
+        """Undo what an interrupted acquire allocated: its new buckets that are still idle."""
+        fresh = [b for b in self._adopted if b.state == _FREE and any(b is t for t in self._buckets)]
+        if fresh:
+            self._buckets = [b for b in self._buckets if all(b is not f for f in fresh)]
+            self._stats.new_allocations -= len(fresh)
+
+    def _take_free(self, dtype, numel: int) -> Optional[_Bucket]:
+        fits = [b for b in self._in(_FREE, dtype) if b.capacity >= numel]
+        return min(fits, key=lambda b: b.capacity) if fits else None
+
+    def _grow(self, numel: int, dtype) -> _Bucket:
         capacity = self._capacity_for(numel, dtype)
         nbytes = capacity * itemsize(dtype)
         what = f"acquire of {numel * itemsize(dtype)} bytes (bucket {nbytes} bytes)"
         cap = self.max_cached_bytes
-        if cap is not None and self._stats.bytes_reserved + nbytes > cap:
-            fits = [b for b in lists.fenced if b.capacity >= numel]
+        if cap is not None and sum(b.nbytes for b in self._buckets) + nbytes > cap:
+            fits = [b for b in self._in(_FENCED, dtype) if b.capacity >= numel]
             if fits:
                 # Growing would pass the cap: wait for the smallest in-flight bucket that fits.
-                self._wait_for(lists, min(fits, key=lambda b: b.capacity))
-                self._stats.reuses += 1
-                return self._take_free(lists, numel)
-            idle = sum(b.nbytes for l in self._lists.values() for b in l.free)
+                bucket = min(fits, key=lambda b: b.capacity)
+                self._wait_for(bucket)
+                return bucket
+            idle = sum(b.nbytes for b in self._in(_FREE))
             # Refuse before evicting anything, so a refused acquire leaves the pool as it was.
             self._check_cap(nbytes - idle, what)
             self._evict_idle(nbytes)
         self._check_cap(nbytes, what)
-        return self._allocate(capacity, dtype)
+        bucket = self._allocate(capacity, dtype)
+        self._adopt([bucket])
+        return bucket
 
     def _evict_idle(self, needed: int) -> None:
         """Free idle buckets (smallest first, any dtype) until ``needed`` more bytes fit the cap."""
-        idle = sorted((b for l in self._lists.values() for b in l.free), key=lambda b: b.nbytes)
-        for bucket in idle:
-            if self._stats.bytes_reserved + needed <= self.max_cached_bytes:
+        for bucket in sorted(self._in(_FREE), key=lambda b: b.nbytes):
+            if sum(b.nbytes for b in self._buckets) + needed <= self.max_cached_bytes:
                 return
-            self._lists_for(bucket.dtype).free.remove(bucket)
-            _release_storage(bucket)
-            self._stats.bytes_reserved -= bucket.nbytes
-            self._stats.trimmed_bytes += bucket.nbytes
+            self._drop(bucket)
 
-    def _wait_for(self, lists: _FreeLists, bucket: _Bucket) -> None:
+    def _drop(self, bucket: _Bucket) -> int:
+        """Stop tracking an idle bucket, then release its storage; the bytes freed."""
+        self._buckets = [b for b in self._buckets if b is not bucket]
+        self._stats.trimmed_bytes += bucket.nbytes
+        _release_storage(bucket)
+        return bucket.nbytes
+
+    def _wait_for(self, bucket: _Bucket) -> None:
         """Block on ``bucket``'s fence (a stall), then recycle it."""
-        lists.fenced.remove(bucket)
         start = time.perf_counter()
         try:
             bucket.fence.wait()
@@ -363,16 +471,18 @@ class BucketPool:
                            bucket.dtype, exc)
         self._stats.stall_seconds += time.perf_counter() - start
         self._stats.stalls += 1
-        self._recycle(lists, bucket)
+        self._recycle(bucket)
 
-    def _reap(self, lists: _FreeLists) -> None:
-        done = [b for b in lists.fenced if fence_done(b.fence)]
-        for bucket in done:
-            lists.fenced.remove(bucket)
-            self._recycle(lists, bucket)
+    def _reap(self) -> None:
+        for bucket in self._in(_FENCED):
+            if fence_done(bucket.fence):
+                self._recycle(bucket)
 
-    def _recycle(self, lists: _FreeLists, bucket: _Bucket) -> None:
+    def _recycle(self, bucket: _Bucket) -> None:
+        self._poison(bucket)
         bucket.fence = None
+        bucket.state = _FREE
+
+    def _poison(self, bucket: _Bucket) -> None:
         if self.poison_on_release:
             writable_view(bucket.tensor)[:] = nan_fill(bucket.dtype)
-        lists.free.append(bucket)

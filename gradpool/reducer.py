@@ -32,9 +32,9 @@ from gradpool import pack as packing
 from gradpool.comm import CommHandle, Communicator, check_reduce_op
 from gradpool.device import synchronize
 from gradpool.dtypes import check_dtype, itemsize
-from gradpool.errors import InvalidArgumentError, LeaseStateError
+from gradpool.errors import InvalidArgumentError, LayoutMismatchError, LeaseStateError
 from gradpool.layout import ReduceScatterLayout
-from gradpool.pool import BucketPool, Lease, fence_done
+from gradpool.pool import BucketPool, Lease, as_fence, fence_done
 
 logger = logging.getLogger(__name__)
 
@@ -104,34 +104,53 @@ class ReduceResult:
             try:
                 for item in self.launched:
                     item.handle.wait()
-            except BaseException as exc:
+            except Exception as exc:  # noqa: BLE001 - a collective failed: so does every wait
                 self._error = exc
                 self.release()
                 raise
+            # (an interrupt while waiting leaves the result as it was: wait() or release() again)
             shards: list = [None] * self.count
             for item in self.launched:
-                item.bucket.borrowed = None          # the borrow ends with the collective
                 views = packing.shard_views(item.output.tensor, item.bucket.layout)
                 for index, view in zip(item.bucket.indices, views):
                     shards[index] = view
+            for item in self.launched:
+                item.bucket.borrowed = None          # the borrow ends with the collective
             self._shards = shards
         return self._shards
 
     def release(self) -> None:
-        """Return the output buckets to the pool; shard views from ``wait()`` become invalid."""
+        """Return the output buckets to the pool; shard views from ``wait()`` become invalid.
+
+        Interrupted part-way, it still gives back every bucket before the interrupt goes on; a
+        result whose buckets are not all back stays unreleased, so calling it again finishes."""
         if self._released:
             return
-        self._released = True
-        for item in self.launched:
-            fence = None if fence_done(item.handle) else item.handle
-            if fence is not None and item.bucket.borrowed is not None:
-                # Released before its collective completed (no wait(), or another bucket's wait()
-                # failed): the borrow must outlive the collective still reading the caller's
-                # gradient, so the pool holds it with the fence and drops it on recycle.
-                fence = _BorrowFence(fence, item.bucket.borrowed)
-            item.bucket.borrowed = None
-            if not item.output.released:
-                item.output.release(fence)
+        try:
+            for item in self.launched:
+                _release_output(item)
+        except BaseException:
+            for item in self.launched:
+                try:
+                    _release_output(item)
+                except Exception:  # noqa: BLE001 - the first error is the one to report
+                    logger.exception("releasing an output bucket after an error failed")
+            raise
+        finally:
+            self._released = all(item.output.released for item in self.launched)
+
+
+def _release_output(item: _Launched) -> None:
+    if item.output.released:
+        return
+    fence = None if fence_done(item.handle) else item.handle
+    if fence is not None and item.bucket.borrowed is not None:
+        # Released before its collective completed (no wait(), or another bucket's wait()
+        # failed): the borrow must outlive the collective still reading the caller's gradient,
+        # so the pool holds it with the fence and drops it on recycle.
+        fence = _BorrowFence(fence, item.bucket.borrowed)
+    item.output.release(fence)
+    item.bucket.borrowed = None
 
 
 class _BorrowFence:
@@ -147,6 +166,16 @@ class _BorrowFence:
 
     def is_completed(self) -> bool:
         return self._handle.is_completed()
+
+
+def _check_tensors(grads: Sequence[ms.Tensor]) -> None:
+    """Every gradient a MindSpore tensor of a supported dtype (before any bucket is leased)."""
+    for index, grad in enumerate(grads):
+        if not isinstance(grad, ms.Tensor):
+            raise InvalidArgumentError(
+                f"gradient {index} is a {type(grad).__name__}, not a mindspore Tensor; convert "
+                "it with mindspore.Tensor(...)")
+        check_dtype(grad.dtype)
 
 
 class GradReducer:
@@ -184,6 +213,7 @@ class GradReducer:
     def _plan(self, grads: Sequence[ms.Tensor], shard_dims: Optional[Sequence[int]],
               world_size: Optional[int]) -> list[tuple[Any, list[int], ReduceScatterLayout]]:
         """``(dtype, gradient indices, layout)`` per bucket, all validated before any lease."""
+        _check_tensors(grads)
         world = self.comm.world_size if world_size is None else world_size
         dims = list(shard_dims) if shard_dims is not None else [0] * len(grads)
         if len(dims) != len(grads):
@@ -208,11 +238,29 @@ class GradReducer:
         return buckets
 
     def accumulate(self, buckets: list[PackedBucket], grads: Sequence[ms.Tensor]) -> None:
-        """Add a micro-step's ``grads`` into already packed buckets (no new lease, no copy out)."""
+        """Add a micro-step's ``grads`` into already packed buckets (no new lease, no copy out).
+
+        ``grads`` are the same gradients, in the same order, as those packed; everything is
+        checked before the first bucket changes."""
+        expected = sum(len(bucket.indices) for bucket in buckets)
+        if len(grads) != expected:
+            raise InvalidArgumentError(
+                f"accumulate got {len(grads)} gradients for buckets packed from {expected}; "
+                "pass the micro-step's gradients of exactly the packed parameters, in order")
+        _check_tensors(grads)
         for bucket in buckets:
             if bucket.lease is None:
                 raise LeaseStateError("cannot accumulate into a borrowed gradient; pack with "
                                       "allow_borrow=False for gradient accumulation")
+            if bucket.lease.released:
+                raise LeaseStateError("cannot accumulate into a bucket that was launched or "
+                                      "discarded; pack the next micro-step anew")
+            for slot, index in zip(bucket.layout.slots, bucket.indices):
+                if tuple(grads[index].shape) != slot.shape:
+                    raise LayoutMismatchError(
+                        f"gradient {index} has shape {tuple(grads[index].shape)}; it was packed "
+                        f"as {slot.shape}")
+        for bucket in buckets:
             self._copy_in(packing.accumulate, bucket.lease,
                           [grads[i] for i in bucket.indices], bucket.layout)
 
@@ -224,6 +272,11 @@ class GradReducer:
         except InvalidArgumentError:
             self.discard(buckets)
             raise
+        for bucket in buckets:
+            if bucket.borrowed is None and (bucket.lease is None or bucket.lease.released):
+                self.discard(buckets)
+                raise LeaseStateError(
+                    "a bucket handed to launch() was launched or discarded already; pack anew")
         total = count if count is not None else sum(len(b.indices) for b in buckets)
         result = ReduceResult(count=total)
         for position, bucket in enumerate(buckets):
@@ -292,14 +345,14 @@ class GradReducer:
                     all_reduce: bool) -> None:
         """Start ``bucket``'s collective into ``result``; on failure nothing of it is in flight."""
         if all_reduce:
-            handle = self.comm.all_reduce(bucket.lease.tensor, op=op, async_op=True)
+            handle = as_fence(self.comm.all_reduce(bucket.lease.tensor, op=op, async_op=True))
             # the bucket is reduced in place: it is its own output
             result.launched.append(_Launched(bucket, bucket.lease, handle))
             return
         output = self.pool.acquire(bucket.layout.row_numel, bucket.dtype)
         try:
-            handle = self.comm.reduce_scatter(output.tensor, bucket.input_tensor, op=op,
-                                              async_op=True)
+            handle = as_fence(self.comm.reduce_scatter(output.tensor, bucket.input_tensor, op=op,
+                                                       async_op=True))
         except BaseException:
             output.release()
             raise
