@@ -38,7 +38,8 @@ _EXPORTS = {
                         "LayoutMismatchError", "LeaseStateError", "ForeignLeaseError", "InvalidFenceError",
                         "PoolCapacityError", "CommError", "LaunchError", "ConfigError",
                         "ConfigValueError", "UnknownConfigKeyError", "OverrideSyntaxError",
-                        "GradientIntegrityError"),
+                        "GradientIntegrityError", "ArgumentTypeError", "check_bool", "check_int",
+                        "check_positive_number"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 

@@ -12,6 +12,11 @@ class InvalidArgumentError(GradPoolError, ValueError):
     """An argument has a value the API cannot accept (a size, a world size, an op name)."""
 
 
+class ArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument has the wrong type (a string where a bool or a size belongs, a float where an
+    int does); caught as ``TypeError`` and as :class:`InvalidArgumentError` alike."""
+
+
 class UnsupportedDtypeError(GradPoolError, TypeError):
     """A dtype the pool does not manage (only floating gradient dtypes are supported)."""
 
@@ -70,3 +75,34 @@ class ConfigValueError(ConfigError):
 
 class OverrideSyntaxError(ConfigError):
     """A ``--set`` override is not of the form ``section.key=value`` with a scalar value."""
+
+
+# -- argument checks at the public boundary (no silent coercion: True is not 1, "no" is not
+# False, nan is not a size) ---------------------------------------------------------------------
+def check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ArgumentTypeError(f"{name} must be a bool (True or False), got "
+                                f"{type(value).__name__} {value!r}")
+
+
+def check_int(name: str, value, minimum: int, maximum=None, nullable: bool = False) -> None:
+    """``value`` an int (not a bool, not a float) in ``[minimum, maximum]``, or None if nullable."""
+    if value is None and nullable:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ArgumentTypeError(f"{name} must be an int{' or None' if nullable else ''}, got "
+                                f"{type(value).__name__} {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        upper = f" and <= {maximum}" if maximum is not None else ""
+        raise InvalidArgumentError(f"{name} must be an int >= {minimum}{upper}, got {value!r}")
+
+
+def check_positive_number(name: str, value, nullable: bool = False) -> None:
+    """``value`` a finite int or float > 0 (not a bool), or None if nullable."""
+    if value is None and nullable:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentTypeError(f"{name} must be a number{' or None' if nullable else ''}, got "
+                                f"{type(value).__name__} {value!r}")
+    if value != value or value in (float("inf"), float("-inf")) or value <= 0:
+        raise InvalidArgumentError(f"{name} must be a finite number > 0, got {value!r}")

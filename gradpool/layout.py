@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from gradpool.errors import InvalidArgumentError
+from gradpool.errors import InvalidArgumentError, check_int
 
 Shape = tuple[int, ...]
 
@@ -94,11 +94,9 @@ class ReduceScatterLayout:
     @classmethod
     def build(cls, shapes: Sequence[Sequence[int]], world_size: int, alignment: int = 1,
               shard_dims: Sequence[int] | None = None) -> "ReduceScatterLayout":
-        if not isinstance(world_size, int) or world_size < 1:
-            raise InvalidArgumentError(f"world_size must be an int >= 1, got {world_size!r}")
-        if not isinstance(alignment, int) or alignment < 1:
-            raise InvalidArgumentError(f"alignment must be an int >= 1 (elements), got {alignment!r}")
-        shapes = [tuple(int(d) for d in s) for s in shapes]
+        check_int("world_size", world_size, 1)
+        check_int("alignment", alignment, 1)   # in elements
+        shapes = [tuple(s) for s in shapes]
         if not shapes:
             raise InvalidArgumentError("a layout needs at least one gradient shape, got an empty list")
         if shard_dims is None:
@@ -109,7 +107,10 @@ class ReduceScatterLayout:
         slots = []
         cursor = 0
         for index, (shape, dim) in enumerate(zip(shapes, shard_dims)):
-            if len(shape) == 0 or any(d < 1 for d in shape):
+            for d in shape:
+                check_int(f"gradient {index}'s shape {shape} entry", d, 1)
+            check_int(f"gradient {index}'s shard dim", dim, 0)
+            if len(shape) == 0:
                 raise InvalidArgumentError(
                     f"gradient {index} has shape {shape}; shapes need >= 1 dim and every dim >= 1")
             if not 0 <= dim < len(shape):

@@ -40,12 +40,13 @@ from mindspore import mint
 from gradpool.device import SUPPORTED_DEVICES, device_memory_bytes, device_target
 from gradpool.dtypes import check_dtype, itemsize, nan_fill, writable_view
 from gradpool.errors import (ForeignLeaseError, InvalidArgumentError, InvalidFenceError,
-                             LeaseStateError, PoolCapacityError)
+                             LeaseStateError, PoolCapacityError, check_bool, check_int)
 from gradpool.layout import round_up
 
 logger = logging.getLogger(__name__)
 
 _pool_ids = itertools.count(1)
+MAX_ALIGNMENT_BYTES = 2 ** 20    # chunk alignment beyond 1 MiB would be padding, not alignment
 _FREE, _FENCED, _LEASED = "free", "fenced", "leased"
 
 
@@ -211,14 +212,6 @@ class Lease:
         return f"Lease({self.numel} x {self.dtype}, {state})"
 
 
-def _check_size(name: str, value, minimum: int, nullable: bool = False) -> None:
-    if value is None and nullable:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidArgumentError(
-            f"{name} must be an int >= {minimum}{' or None' if nullable else ''}, got {value!r}")
-
-
 class BucketPool:
     """A pool of flat communication buckets owned by gradpool.
 
@@ -234,17 +227,14 @@ class BucketPool:
     def __init__(self, device: Optional[str] = None, alignment_bytes: int = 512,
                  max_cached_bytes: Optional[int] = None, poison_on_release: bool = False,
                  max_buckets_in_flight: Optional[int] = None, timed_copies: bool = True):
-        if isinstance(alignment_bytes, bool) or not isinstance(alignment_bytes, int) \
-                or alignment_bytes < 4 or alignment_bytes % 4 or alignment_bytes > 2 ** 30:
+        check_int("alignment_bytes", alignment_bytes, 4, MAX_ALIGNMENT_BYTES)
+        if alignment_bytes % 4:
             raise InvalidArgumentError(
-                f"alignment_bytes must be a positive multiple of 4 up to 1 GiB, got "
-                f"{alignment_bytes!r}")
-        _check_size("max_cached_bytes", max_cached_bytes, 1, nullable=True)
-        _check_size("max_buckets_in_flight", max_buckets_in_flight, 1, nullable=True)
-        for name, flag in (("poison_on_release", poison_on_release),
-                           ("timed_copies", timed_copies)):
-            if not isinstance(flag, bool):
-                raise InvalidArgumentError(f"{name} must be a bool, got {flag!r}")
+                f"alignment_bytes must be a multiple of 4, got {alignment_bytes!r}")
+        check_int("max_cached_bytes", max_cached_bytes, 1, nullable=True)
+        check_int("max_buckets_in_flight", max_buckets_in_flight, 1, nullable=True)
+        check_bool("poison_on_release", poison_on_release)
+        check_bool("timed_copies", timed_copies)
         # None: the process's device target. Copies take the NumPy host path only on "CPU".
         self.device = device if device is not None else device_target()
         if self.device not in SUPPORTED_DEVICES:
@@ -269,7 +259,7 @@ class BucketPool:
 
     def reserve(self, dtype, numel: int, count: int = 1) -> None:
         """Pre-allocate ``count`` idle buckets of ``numel`` elements (rounded up to alignment)."""
-        _check_size("count", count, 1)
+        check_int("count", count, 1)
         self._check_request(numel, dtype)
         capacity = self._capacity_for(numel, dtype)
         with self._lock:
@@ -363,8 +353,7 @@ class BucketPool:
 
     # -- internals ----------------------------------------------------------------------------
     def _check_request(self, numel, dtype) -> None:
-        if isinstance(numel, bool) or not isinstance(numel, int) or numel <= 0:
-            raise InvalidArgumentError(f"numel must be a positive int, got {numel!r}")
+        check_int("numel", numel, 1)
         check_dtype(dtype)
         nbytes = self._capacity_for(numel, dtype) * itemsize(dtype)
         limit = device_memory_bytes(self.device)

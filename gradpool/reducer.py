@@ -32,7 +32,8 @@ from gradpool import pack as packing
 from gradpool.comm import CommHandle, Communicator, check_reduce_op
 from gradpool.device import synchronize
 from gradpool.dtypes import check_dtype, itemsize
-from gradpool.errors import InvalidArgumentError, LayoutMismatchError, LeaseStateError
+from gradpool.errors import (InvalidArgumentError, LayoutMismatchError, LeaseStateError,
+                             check_bool, check_positive_number)
 from gradpool.layout import ReduceScatterLayout
 from gradpool.pool import BucketPool, Lease, as_fence, fence_done
 
@@ -54,9 +55,9 @@ class ReducerConfig:
     def __post_init__(self):
         if self.reduce_dtype is not None:
             check_dtype(self.reduce_dtype)
-        if not self.bucket_cap_mib > 0:
-            raise InvalidArgumentError(
-                f"bucket_cap_mib must be positive, got {self.bucket_cap_mib!r}")
+        for name in ("comm_fusion", "zero_copy", "host_copies"):
+            check_bool(f"ReducerConfig.{name}", getattr(self, name))
+        check_positive_number("ReducerConfig.bucket_cap_mib", self.bucket_cap_mib)
 
 
 @dataclass

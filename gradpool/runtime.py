@@ -13,32 +13,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 from gradpool.comm import Communicator, communicator_for, init_distributed
 from gradpool.device import device_target
-from gradpool.errors import InvalidArgumentError
-from gradpool.pool import BucketPool
+from gradpool.errors import (InvalidArgumentError, check_bool, check_int,
+                             check_positive_number)
+from gradpool.pool import MAX_ALIGNMENT_BYTES, BucketPool
 from gradpool.reducer import GradReducer, ReducerConfig
 
 MIB = 1024 * 1024
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise InvalidArgumentError(f"GradPoolConfig.{name} must be a bool, got {value!r}")
-
-
-def _check_positive(name: str, value: Any, integer: bool, nullable: bool) -> None:
-    if value is None and nullable:
-        return
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) \
-            or not math.isfinite(value) or value <= 0:
-        what = "an int >= 1" if integer else "a finite number > 0"
-        raise InvalidArgumentError(
-            f"GradPoolConfig.{name} must be {what}{' or None' if nullable else ''}, "
-            f"got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -62,16 +46,26 @@ class GradPoolConfig:
 
     def __post_init__(self) -> None:
         for name in ("zero_copy", "poison_on_release", "verify_gradients"):
-            _check_bool(name, getattr(self, name))
-        _check_positive("bucket_cap_mib", self.bucket_cap_mib, integer=False, nullable=False)
-        _check_positive("max_buckets_in_flight", self.max_buckets_in_flight, integer=True,
-                        nullable=True)
-        _check_positive("max_cached_mib", self.max_cached_mib, integer=False, nullable=True)
-        if isinstance(self.alignment_bytes, bool) or not isinstance(self.alignment_bytes, int) \
-                or self.alignment_bytes < 4 or self.alignment_bytes % 4:
+            check_bool(f"GradPoolConfig.{name}", getattr(self, name))
+        check_positive_number("GradPoolConfig.bucket_cap_mib", self.bucket_cap_mib)
+        check_int("GradPoolConfig.max_buckets_in_flight", self.max_buckets_in_flight, 1,
+                  nullable=True)
+        check_positive_number("GradPoolConfig.max_cached_mib", self.max_cached_mib, nullable=True)
+        check_int("GradPoolConfig.alignment_bytes", self.alignment_bytes, 4, MAX_ALIGNMENT_BYTES)
+        if self.alignment_bytes % 4:
+            raise InvalidArgumentError(f"GradPoolConfig.alignment_bytes must be a multiple of 4, "
+                                       f"got {self.alignment_bytes!r}")
+        # Sizes too small to hold one aligned element are typos, not configurations.
+        if self.bucket_cap_bytes < self.alignment_bytes:
             raise InvalidArgumentError(
-                f"GradPoolConfig.alignment_bytes must be a positive multiple of 4, got "
-                f"{self.alignment_bytes!r}")
+                f"GradPoolConfig.bucket_cap_mib = {self.bucket_cap_mib!r} is "
+                f"{self.bucket_cap_bytes} bytes, less than one aligned chunk "
+                f"(alignment_bytes = {self.alignment_bytes}); give it in MiB, e.g. 25")
+        if self.max_cached_bytes is not None and self.max_cached_bytes < self.alignment_bytes:
+            raise InvalidArgumentError(
+                f"GradPoolConfig.max_cached_mib = {self.max_cached_mib!r} is "
+                f"{self.max_cached_bytes} bytes, less than one aligned bucket "
+                f"(alignment_bytes = {self.alignment_bytes}); give it in MiB, e.g. 1024")
 
     @property
     def bucket_cap_bytes(self) -> int:

@@ -293,6 +293,8 @@ def _yaml_text(value):
 
 
 finite_positive = st.floats(min_value=1e-6, max_value=1e6, allow_nan=False, allow_infinity=False)
+# Pool sizes must hold at least one aligned chunk (1 MiB alignment at most): from 1 MiB up.
+pool_mib = st.floats(min_value=1.0, max_value=1e6, allow_nan=False, allow_infinity=False)
 dtype = st.sampled_from([None, "float32", "float16", "bfloat16"])
 SIMPLE = {
     "fully_shard.comm_fusion": st.booleans(),
@@ -301,12 +303,12 @@ SIMPLE = {
     "fully_shard.reduce_dtype": dtype,
     "fully_shard.apply_grad_on_fp32_main_grad": st.booleans(),
     "fully_shard.reduce_op": st.sampled_from(["avg", "sum"]),
-    "gradpool.bucket_cap_mib": finite_positive,
+    "gradpool.bucket_cap_mib": pool_mib,
     "gradpool.max_buckets_in_flight": st.none() | st.integers(1, 64),
     "gradpool.alignment_bytes": st.integers(1, 1024).map(lambda n: 4 * n),
     "gradpool.zero_copy": st.booleans(),
     "gradpool.poison_on_release": st.booleans(),
-    "gradpool.max_cached_mib": st.none() | finite_positive,
+    "gradpool.max_cached_mib": st.none() | pool_mib,
     "gradpool.verify_gradients": st.booleans(),
     "model.vocab_size": st.integers(2, 100_000),
     "model.num_layers": st.integers(1, 64),
@@ -398,3 +400,11 @@ def test_the_gradpool_section_is_the_library_config():
     cfg = load_config(TINY)
     assert type(cfg.gradpool) is GradPoolConfig
     assert set(known_keys()["gradpool"]) == {f.name for f in dataclasses.fields(GradPoolConfig)}
+
+
+@pytest.mark.parametrize("key, value", [("bucket_cap_mib", 1e-12), ("max_cached_mib", 0.00001)])
+def test_pool_sizes_too_small_for_one_aligned_chunk_are_refused_at_load(tmp_path, key, value):
+    path = write(tmp_path, f"gradpool:\n  {key}: {value}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert f"gradpool.{key} = {value!r}" in str(err.value) and str(path) in str(err.value)

@@ -504,7 +504,9 @@ def _build_section(name: str, given: dict, source: str, overrides: list):
         try:
             return GradPoolConfig(**kwargs)
         except InvalidArgumentError as exc:
-            raise ConfigError(f"{origin}: section {name!r}: {exc}") from None
+            # the library names its fields GradPoolConfig.<key>; here they are gradpool.<key>
+            message = str(exc).replace("GradPoolConfig.", f"{name}.")
+            raise ConfigError(f"{origin}: {message}") from None
     # Shell words (true/yes/on ...) are read here; every other check is the section's own.
     kwargs = {key: _read(name, key, value) if value[2] else value[0]
               for key, value in given.items()}

@@ -13,8 +13,7 @@ from typing import Callable, Optional, Union
 import mindspore as ms
 from mindspore import nn
 
-from gradpool import (GradPoolConfig, InvalidArgumentError, UnsupportedDtypeError,
-                      all_runtimes, check_dtype, runtime_for)
+from gradpool import GradPoolConfig, InvalidArgumentError, all_runtimes, runtime_for
 from hyper_parallel.core.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.core.fully_shard.utils import (CPUOffloadPolicy, MixedPrecisionPolicy,
@@ -71,19 +70,15 @@ def hsdp_sync_stream() -> None:
         runtime.pool.wait_all()
 
 
-def _check_dtype(name: str, dtype) -> None:
-    if dtype is None:
-        return
-    try:
-        check_dtype(dtype)
-    except UnsupportedDtypeError as exc:
-        raise InvalidArgumentError(f"mp_policy.{name} must be a floating dtype or None: {exc}") \
-            from None
-
-
 def _validate(modules, mp_policy, offload_policy, reshard_after_forward, comm_fusion,
               pool_config) -> None:
-    for module in modules:
+    seen: dict[int, int] = {}
+    for position, module in enumerate(modules):
+        if id(module) in seen:
+            raise InvalidArgumentError(
+                f"fully_shard got the same {type(module).__name__} twice in its list (positions "
+                f"{seen[id(module)]} and {position}); pass each module once")
+        seen[id(module)] = position
         if not isinstance(module, nn.Cell):
             raise InvalidArgumentError(
                 f"fully_shard expects an nn.Cell or a list of them, got {type(module).__name__}")
@@ -93,8 +88,6 @@ def _validate(modules, mp_policy, offload_policy, reshard_after_forward, comm_fu
                 "per module (nest by sharding blocks first, then the root)")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise InvalidArgumentError(f"mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
-    for name in ("param_dtype", "reduce_dtype", "output_dtype"):
-        _check_dtype(name, getattr(mp_policy, name))
     if isinstance(offload_policy, CPUOffloadPolicy):
         raise InvalidArgumentError(
             "CPUOffloadPolicy is not supported by this fully_shard; pass OffloadPolicy()")
@@ -121,9 +114,17 @@ def _validate_mesh(mesh, world: int) -> None:
 
 
 def _placement_dim(shard_placement_fn: Optional[Callable], param) -> int:
+    if len(param.shape) == 0:
+        raise InvalidArgumentError(
+            f"parameter {param.name} is 0-d and cannot be sharded; pass it in replicate_params "
+            "(kept whole, gradient all-reduced) or ignored_params")
     if shard_placement_fn is None:
         return 0
-    placement = shard_placement_fn(param)
+    try:
+        placement = shard_placement_fn(param)
+    except Exception as exc:  # noqa: BLE001 - re-raised typed, naming the parameter
+        raise InvalidArgumentError(
+            f"shard_placement_fn raised {type(exc).__name__} for {param.name}: {exc}") from exc
     if placement is None:
         return 0
     if not isinstance(placement, Shard):
@@ -136,14 +137,15 @@ def _placement_dim(shard_placement_fn: Optional[Callable], param) -> int:
     return dim
 
 
-def _managed_params(module, ignored: set[int]) -> list:
+def _managed_params(module, ignored: set[int], claimed: set[int]) -> list:
     """(Parameter, [(cell, attribute), ...]) for every trainable parameter of ``module`` that no
-    nested unit manages; a parameter tied into several cells is listed once with every owner."""
+    nested unit (nor an earlier module of this call, ``claimed``) manages; a parameter tied into
+    several cells is listed once with every owner."""
     found: dict[int, tuple] = {}
     for _, cell in module.cells_and_names():
         for attr, param in list(cell._params.items()):   # pylint: disable=protected-access
-            if param is None or id(param) in ignored or not param.requires_grad \
-                    or hasattr(param, "hsdp_param"):
+            if param is None or id(param) in ignored or id(param) in claimed \
+                    or not param.requires_grad or hasattr(param, "hsdp_param"):
                 continue
             if hasattr(param, "hsdp_managed_by"):
                 raise InvalidArgumentError(
@@ -182,9 +184,12 @@ def fully_shard(module: Union[nn.Cell, list], *, mesh: Optional[DeviceMesh] = No
     ignored = {id(p) for p in ignored_params or ()}
     replicated = {id(p) for p in replicate_params or ()}
     reducer = runtime.reducer(reduce_dtype=mp_policy.reduce_dtype, comm_fusion=comm_fusion)
+    # Plan every module first (every check that can fail, and the shards), then commit: a call
+    # that fails leaves every module exactly as it was, so a corrected retry manages everything.
+    plans, claimed = [], set()
     for mod in modules:
         params = []
-        for param, owners in _managed_params(mod, ignored):
+        for param, owners in _managed_params(mod, ignored, claimed):
             is_replicated = id(param) in replicated
             managed = MindSporeHSDPParamV2(
                 *owners[0], param, rank=runtime.comm.rank, world_size=runtime.comm.world_size,
@@ -193,11 +198,16 @@ def fully_shard(module: Union[nn.Cell, list], *, mesh: Optional[DeviceMesh] = No
                 replicate=is_replicated, mp_policy=mp_policy,
                 verify_gradients=config.verify_gradients)
             managed.owners = owners
-            for cell, attr in owners:
+            claimed.add(id(param))
+            params.append((param, managed))
+        plans.append((mod, params))
+    for mod, params in plans:
+        for param, managed in params:
+            managed.adopt(param)
+            for cell, attr in managed.owners:
                 cell._params[attr] = managed.sharded_param    # pylint: disable=protected-access
-            params.append(managed)
         _extend_class(mod)
-        mod.__dict__["_hsdp_state"] = HSDPUnitState(mod, params, reducer, mp_policy,
-                                                    reshard_after_forward)
+        mod.__dict__["_hsdp_state"] = HSDPUnitState(mod, [m for _, m in params], reducer,
+                                                    mp_policy, reshard_after_forward)
         logger.debug("fully_shard: %s manages %d parameters", type(mod).__name__, len(params))
     return module

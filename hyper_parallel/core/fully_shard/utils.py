@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from gradpool import InvalidArgumentError, UnsupportedDtypeError, check_bool, check_dtype
+
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
@@ -18,6 +20,19 @@ class MixedPrecisionPolicy:
     cast_forward_inputs: bool = True
     apply_grad_on_fp32_main_grad: bool = False
 
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            dtype = getattr(self, name)
+            if dtype is None:
+                continue
+            try:
+                check_dtype(dtype)
+            except UnsupportedDtypeError as exc:
+                raise InvalidArgumentError(
+                    f"mp_policy.{name} must be a floating dtype or None: {exc}") from None
+        check_bool("mp_policy.cast_forward_inputs", self.cast_forward_inputs)
+        check_bool("mp_policy.apply_grad_on_fp32_main_grad", self.apply_grad_on_fp32_main_grad)
+
 
 @dataclass(frozen=True)
 class OffloadPolicy:
@@ -29,3 +44,6 @@ class CPUOffloadPolicy(OffloadPolicy):
     """Offload sharded parameters and gradients to host memory (not supported here)."""
 
     pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        check_bool("CPUOffloadPolicy.pin_memory", self.pin_memory)

@@ -78,8 +78,6 @@ class MindSporeHSDPParamV2:
                 f"{shard_dim}")
         self.slot = None if replicate else GradSlot.of(self.orig_shape, world_size, shard_dim)
         self.sharded_param = self._make_local(param)
-        self.sharded_param.main_grad = None
-        param.hsdp_managed_by = self      # the original, so another unit will not shard it again
         self._grad: Optional[ms.Tensor] = None
         self._fingerprint: Optional[_GradFingerprint] = None
         self._slot: Optional[ReduceSlot] = None
@@ -91,15 +89,20 @@ class MindSporeHSDPParamV2:
         return self.orig_shape if self.replicate else self.slot.chunk_shape
 
     def _make_local(self, param: Parameter) -> Parameter:
+        """The local shard (a new Parameter; the original itself when replicated). Marks nothing:
+        :meth:`adopt` does, once ``fully_shard`` has planned every parameter."""
         if self.replicate:
-            param.hsdp_param = self
             return param
         # A copy in memory of its own: the optimizer updates the shard in place, and on CPU an
         # in-place write into a view at a non-zero offset would silently not land.
         local = np.array(local_shard(param, self.slot, self.rank).asnumpy(), copy=True)
-        shard = Parameter(ms.Tensor(local), name=param.name, requires_grad=param.requires_grad)
-        shard.hsdp_param = self
-        return shard
+        return Parameter(ms.Tensor(local), name=param.name, requires_grad=param.requires_grad)
+
+    def adopt(self, original: Parameter) -> None:
+        """Mark the shard and the original as managed (the commit step of ``fully_shard``)."""
+        self.sharded_param.main_grad = None
+        self.sharded_param.hsdp_param = self
+        original.hsdp_managed_by = self    # so another unit will not shard it again
 
     def unsharded(self, local: ms.Tensor) -> ms.Tensor:
         """All-gather ``local`` (this rank's shard) into the full parameter, in ``param_dtype``."""
