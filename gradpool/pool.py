@@ -268,8 +268,12 @@ class BucketPool:
             made = [self._allocate(capacity, dtype) for _ in range(count)]
             self._adopt(made)
 
-    def acquire(self, numel: int, dtype) -> Lease:
-        """Lease a bucket of at least ``numel`` elements of ``dtype``; ``.tensor`` has exactly numel."""
+    def acquire(self, numel: int, dtype, *, holder: Optional[list] = None) -> Lease:
+        """Lease a bucket of at least ``numel`` elements of ``dtype``; ``.tensor`` has exactly numel.
+
+        ``holder``: a list the lease is appended to as part of the acquire itself, so that a
+        ``KeyboardInterrupt`` arriving as ``acquire`` returns cannot lose a live lease (what the
+        reducer does; a plain ``lease = acquire(...)`` has that one-instruction window)."""
         self._check_request(numel, dtype)
         with self._lock:
             self._reap()
@@ -286,7 +290,10 @@ class BucketPool:
             except BaseException:
                 self._forget_adopted()
                 raise
-            # commit: plain stores only, nothing between them can raise
+            # commit: the holder first (an interrupt right after it is undone by release, which
+            # sees an uncommitted lease), then plain stores, between which nothing can raise
+            if holder is not None:
+                holder.append(lease)
             bucket.lease = lease
             bucket.state = _LEASED
             if reused:
@@ -307,6 +314,9 @@ class BucketPool:
             if lease.released:
                 raise LeaseStateError(f"{lease!r} was already released; a lease is released once")
             bucket = lease._bucket
+            if bucket.lease is not lease:
+                lease._released = True      # its acquire was interrupted before it committed
+                return
             done = fence is None or fence_done(fence)
             if done:
                 self._poison(bucket)

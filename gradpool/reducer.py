@@ -154,6 +154,23 @@ def _release_output(item: _Launched) -> None:
     item.bucket.borrowed = None
 
 
+class _AllOf:
+    """Done when every one of ``handles`` is (a fence for a bucket one of them may read)."""
+
+    def __init__(self, handles: list):
+        self._handles = handles
+
+    def wait(self) -> None:
+        for handle in self._handles:
+            try:
+                handle.wait()
+            except Exception:  # noqa: BLE001 - its owner sees the error when it waits
+                pass
+
+    def is_completed(self) -> bool:
+        return all(fence_done(handle) for handle in self._handles)
+
+
 class _BorrowFence:
     """A collective's handle plus the borrowed gradient it reads; the pool keeps this fence (and so
     the borrow) until the handle completes."""
@@ -229,12 +246,14 @@ class GradReducer:
     def pack(self, grads: Sequence[ms.Tensor], shard_dims: Optional[Sequence[int]] = None,
              world_size: Optional[int] = None, allow_borrow: bool = True) -> list[PackedBucket]:
         """Lease buckets and copy ``grads`` in (or borrow them, with zero-copy where allowed)."""
-        buckets = []
+        plan = self._plan(grads, shard_dims, world_size)
+        buckets, taken = [], []
         try:
-            for dtype, indices, layout in self._plan(grads, shard_dims, world_size):
-                buckets.append(self._pack_one(grads, dtype, indices, layout, allow_borrow))
+            for dtype, indices, layout in plan:
+                buckets.append(self._pack_one(grads, dtype, indices, layout, allow_borrow, taken))
         except BaseException:
             self.discard(buckets)
+            self._settle(taken, [])
             raise
         return buckets
 
@@ -280,12 +299,16 @@ class GradReducer:
                     "a bucket handed to launch() was launched or discarded already; pack anew")
         total = count if count is not None else sum(len(b.indices) for b in buckets)
         result = ReduceResult(count=total)
+        taken: list[Lease] = []
         for position, bucket in enumerate(buckets):
             try:
-                self._launch_one(result, bucket, op, all_reduce)
+                self._launch_one(result, bucket, op, all_reduce, taken)
             except BaseException:
-                result.release()
-                self.discard(buckets[position:])
+                # this bucket may be in flight already: its input goes back fenced like the rest
+                rest = buckets[position:]
+                self._abandon(result, taken + [b.lease for b in rest if b.lease is not None])
+                for unlaunched in rest:
+                    unlaunched.borrowed = None
                 raise
         return result
 
@@ -313,53 +336,61 @@ class GradReducer:
         check_reduce_op(op)
         plan = self._plan(grads, shard_dims, world_size)
         result = ReduceResult(count=len(grads))
+        taken: list[Lease] = []      # every lease this call acquired, whatever happens next
         try:
             for dtype, indices, layout in plan:
-                bucket = self._pack_one(grads, dtype, indices, layout,
-                                        allow_borrow=not all_reduce)
-                try:
-                    self._launch_one(result, bucket, op, all_reduce)
-                except BaseException:
-                    self.discard([bucket])
-                    raise
+                bucket = self._pack_one(grads, dtype, indices, layout, not all_reduce, taken)
+                self._launch_one(result, bucket, op, all_reduce, taken)
         except BaseException:
-            result.release()
+            self._abandon(result, taken)
             raise
         return result
 
+    def _abandon(self, result: ReduceResult, taken: list[Lease]) -> None:
+        """Undo a pack-and-launch that stopped part-way (an error, or an interrupt at any
+        instant): the launched outputs go back fenced on their collectives, and every other lease
+        it took only once those have completed, since one of them may be a launched input."""
+        result.release()
+        self._settle(taken, [item.handle for item in result.launched])
+
+    @staticmethod
+    def _settle(taken: list[Lease], handles: list) -> None:
+        """Release what in ``taken`` is still live, fenced on every one of ``handles``."""
+        live = [lease for lease in taken if not lease.released]
+        if not live:
+            return
+        # A collective whose launch returned just as the interrupt came has no recorded handle:
+        # once the device has drained, it is done.
+        synchronize()
+        fence = _AllOf(handles) if handles else None
+        for lease in live:
+            lease.release(fence)
+
     def _pack_one(self, grads, dtype, indices: list[int], layout: ReduceScatterLayout,
-                  allow_borrow: bool) -> PackedBucket:
+                  allow_borrow: bool, taken: list[Lease]) -> PackedBucket:
         members = [grads[i] for i in indices]
         if allow_borrow and self._can_borrow(members, layout, dtype):
             self.borrows += 1
             return PackedBucket(indices, layout, dtype, borrowed=packing.flat_view(members[0]))
-        lease = self.pool.acquire(layout.total_numel, dtype)
-        bucket = PackedBucket(indices, layout, dtype, lease=lease)
-        try:
-            self._copy_in(packing.pack, lease, members, layout)
-        except BaseException:
-            self.discard([bucket])
-            raise
-        return bucket
+        lease = self.pool.acquire(layout.total_numel, dtype, holder=taken)
+        self._copy_in(packing.pack, lease, members, layout)
+        return PackedBucket(indices, layout, dtype, lease=lease)
 
     def _launch_one(self, result: ReduceResult, bucket: PackedBucket, op: str,
-                    all_reduce: bool) -> None:
-        """Start ``bucket``'s collective into ``result``; on failure nothing of it is in flight."""
+                    all_reduce: bool, taken: list[Lease]) -> None:
+        """Start ``bucket``'s collective into ``result`` (recorded there before anything else
+        happens, so that whatever stops the caller knows it is in flight)."""
         if all_reduce:
             handle = as_fence(self.comm.all_reduce(bucket.lease.tensor, op=op, async_op=True))
             # the bucket is reduced in place: it is its own output
             result.launched.append(_Launched(bucket, bucket.lease, handle))
             return
-        output = self.pool.acquire(bucket.layout.row_numel, bucket.dtype)
-        try:
-            handle = as_fence(self.comm.reduce_scatter(output.tensor, bucket.input_tensor, op=op,
-                                                       async_op=True))
-        except BaseException:
-            output.release()
-            raise
+        output = self.pool.acquire(bucket.layout.row_numel, bucket.dtype, holder=taken)
+        handle = as_fence(self.comm.reduce_scatter(output.tensor, bucket.input_tensor, op=op,
+                                                   async_op=True))
+        result.launched.append(_Launched(bucket, output, handle))
         if bucket.lease is not None:
             bucket.lease.release(handle)     # recycled only once the collective completed
-        result.launched.append(_Launched(bucket, output, handle))
 
     def _copy_in(self, write, lease: Lease, grads, layout: ReduceScatterLayout) -> None:
         """Run one pack or accumulate and account it in the pool's statistics."""

@@ -13,7 +13,8 @@ from typing import Callable, Optional, Union
 import mindspore as ms
 from mindspore import nn
 
-from gradpool import GradPoolConfig, InvalidArgumentError, all_runtimes, runtime_for
+from gradpool import (GradPoolConfig, InvalidArgumentError, all_runtimes, check_bool,
+                      runtime_for)
 from hyper_parallel.core.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.core.fully_shard.utils import (CPUOffloadPolicy, MixedPrecisionPolicy,
@@ -93,9 +94,8 @@ def _validate(modules, mp_policy, offload_policy, reshard_after_forward, comm_fu
             "CPUOffloadPolicy is not supported by this fully_shard; pass OffloadPolicy()")
     if not isinstance(offload_policy, OffloadPolicy):
         raise InvalidArgumentError(f"offload_policy must be an OffloadPolicy, got {offload_policy!r}")
-    for name, value in (("reshard_after_forward", reshard_after_forward), ("comm_fusion", comm_fusion)):
-        if not isinstance(value, bool):
-            raise InvalidArgumentError(f"{name} must be a bool, got {value!r}")
+    check_bool("reshard_after_forward", reshard_after_forward)
+    check_bool("comm_fusion", comm_fusion)
     if not isinstance(pool_config, GradPoolConfig):
         raise InvalidArgumentError(f"pool_config must be a GradPoolConfig, got {pool_config!r}")
 

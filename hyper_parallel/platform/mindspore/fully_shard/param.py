@@ -136,6 +136,9 @@ class MindSporeHSDPParamV2:
 
     @property
     def unsharded_grad(self) -> Optional[ms.Tensor]:
+        """The gradient as the reducer takes it (a 0-d replicated one as one element)."""
+        if self._grad is not None and self._grad.ndim == 0:
+            return self._grad.reshape(1)
         return self._grad
 
     def reduce_scatter_grad(self, async_op: bool = True, reduce_op: str = "avg",
@@ -169,6 +172,8 @@ class MindSporeHSDPParamV2:
         if self._slot is None:
             return None
         shard = self._slot.result.wait()[self._slot.index]
+        if tuple(shard.shape) != self.local_shape:      # a 0-d parameter, reduced as (1,)
+            shard = shard.reshape(self.local_shape)
         self._check_gradient_intact()
         self._grad = None
         return shard
