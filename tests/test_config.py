@@ -66,9 +66,29 @@ def test_every_known_key_is_in_the_shipped_files():
 
 
 # ---- defaults and units ---------------------------------------------------------------------
-def test_empty_file_gives_defaults(tmp_path):
-    assert load_config(write(tmp_path, "")) == RunConfig()
-    assert load_config(write(tmp_path, "gradpool:\n")) == RunConfig()
+def test_an_empty_file_is_refused_saying_what_to_write(tmp_path):
+    for text in ("", "# only a comment\n"):
+        with pytest.raises(ConfigError, match="is empty; write at least one section"):
+            load_config(write(tmp_path, text))
+    assert load_config(write(tmp_path, "gradpool:\n")) == RunConfig()     # a section: defaults
+    assert from_dict({}) == RunConfig()
+
+
+def test_a_file_that_is_not_utf8_is_one_config_error(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("model:\n  vocab_size: 67  # größe\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="is not UTF-8"):
+        load_config(path)
+
+
+def test_more_ranks_than_one_machine_runs_are_refused():
+    from gradpool.app.config import max_ranks
+    with pytest.raises(ConfigValueError, match="launch.ranks = 100000") as err:
+        from_dict({"launch": {"ranks": 100000}})
+    assert err.value.key == "launch.ranks"
+    assert from_dict({"launch": {"ranks": max_ranks("CPU")}}).launch.ranks == max_ranks("CPU")
+    with pytest.raises(ConfigValueError, match="launch.ranks = 17"):
+        from_dict({"launch": {"ranks": 17, "device": "Ascend"}})
 
 
 def test_mib_properties_convert_to_bytes():
@@ -320,7 +340,7 @@ SIMPLE = {
     "train.learning_rate": finite_positive,
     "train.seed": st.integers(0, 2**32 - 1),
     "train.optimizer": st.sampled_from(["adam", "sgd"]),
-    "launch.ranks": st.integers(1, 1024),
+    "launch.ranks": st.integers(1, 8),      # within one host's bound on CPU and Ascend
     "launch.device": st.sampled_from(["CPU", "Ascend"]),
     "launch.master_port": st.none() | st.integers(1, 65535),
     "launch.log_dir": st.none() | st.text(

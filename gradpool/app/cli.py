@@ -1,8 +1,9 @@
 """``gradpool``: the command line.
 
     gradpool train --config FILE [--set section.key=value ...] [--reference]
-    gradpool check-config FILE [--set section.key=value ...]
+    gradpool check-config FILE [FILE ...] [--set section.key=value ...]
     gradpool bench [--device CPU] [--nproc 2] [--out results.json] [--quick]
+    gradpool --version
 
 Exit codes: 0 success; 1 the run failed (a rank failed, a loss was not finite, a gradient the reduce
 path received was changed or freed, the reference check failed); 2 the command or the config is
@@ -28,15 +29,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(name)s: %(message)s")
-    return args.command(args)
+    try:
+        return args.command(args)
+    except _UsageError as exc:
+        print(f"gradpool {args.command_name}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+class _UsageError(Exception):
+    """A command-line value is out of range (argparse checks only types)."""
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gradpool", description=__doc__.split("\n\n")[0])
-    parser.add_argument("-v", "--verbose", action="store_true", help="log library details")
+    # -v works before and after the subcommand: the subcommands share this parent
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                         help="log library details")
+    parser = argparse.ArgumentParser(prog="gradpool", description=__doc__.split("\n\n")[0],
+                                     parents=[verbose])
+    parser.set_defaults(verbose=False)
+    parser.add_argument("--version", action="version", version=f"gradpool {_version()}")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    train = sub.add_parser("train", help="train the tiny DeepSeek-V3 model with fully_shard")
+    def command(name: str, **kwargs) -> argparse.ArgumentParser:
+        sub_parser = sub.add_parser(name, parents=[verbose], **kwargs)
+        sub_parser.set_defaults(command_name=name)
+        return sub_parser
+
+    train = command("train", help="train the tiny DeepSeek-V3 model with fully_shard")
     train.add_argument("--config", required=True, help="run config YAML")
     _add_overrides(train)
     train.add_argument("--reference", action="store_true",
@@ -47,18 +67,32 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--timeout", type=float, default=3600, help="seconds before giving up")
     train.set_defaults(command=_train)
 
-    check = sub.add_parser("check-config", help="print the resolved config, or what is wrong")
-    check.add_argument("file", help="run config YAML")
+    check = command("check-config", help="print the resolved config, or what is wrong")
+    check.add_argument("files", nargs="+", metavar="FILE", help="run config YAML (one or more)")
     _add_overrides(check)
     check.set_defaults(command=_check_config)
 
-    bench = sub.add_parser("bench", help="copy-overhead and reduce-step benchmarks, then report")
+    bench = command("bench", help="copy-overhead and reduce-step benchmarks, then report")
     bench.add_argument("--device", default="CPU", choices=("CPU", "Ascend"))
     bench.add_argument("--nproc", type=int, default=2, help="ranks of the reduce-step suite")
     bench.add_argument("--out", default="bench-results.json", help="results JSON")
     bench.add_argument("--quick", action="store_true", help="small sweep (smoke run)")
     bench.set_defaults(command=_bench)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("gradpool")
+    except PackageNotFoundError:      # run from a source tree that was never installed
+        import gradpool
+        return gradpool.__version__
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise _UsageError(f"{name} must be > 0, got {value:g}")
 
 
 def _add_overrides(parser: argparse.ArgumentParser) -> None:
@@ -81,15 +115,23 @@ def _one_line(exc: BaseException) -> str:
 
 # -- check-config ------------------------------------------------------------------------------
 def _check_config(args) -> int:
-    cfg = _load(args.file, args.overrides)
-    if cfg is None:
-        return EXIT_USAGE
-    print(dump_yaml(cfg), end="")
-    return EXIT_OK
+    """Every file is checked; the resolved configs are printed, one YAML document each."""
+    status = EXIT_OK
+    for index, path in enumerate(args.files):
+        cfg = _load(path, args.overrides)
+        if cfg is None:
+            status = EXIT_USAGE
+            continue
+        if len(args.files) > 1:
+            print(f"--- # {path}" if index else f"# {path}")
+        print(dump_yaml(cfg), end="")
+    return status
 
 
 # -- train -------------------------------------------------------------------------------------
 def _train(args) -> int:
+    _positive("--timeout", args.timeout)
+    _positive("--reference-rtol", args.reference_rtol)
     cfg = _load(args.config, args.overrides)
     if cfg is None:
         return EXIT_USAGE
@@ -162,7 +204,13 @@ def _bytes(n: float) -> str:
 
 # -- bench -------------------------------------------------------------------------------------
 def _bench(args) -> int:
-    from benchmarks import report, runner
+    if args.nproc < 1:
+        raise _UsageError(f"--nproc must be >= 1, got {args.nproc}")
+    try:
+        from benchmarks import report, runner
+    except ImportError as exc:
+        raise _UsageError(f"the benchmarks need the bench extra ({exc.name} is missing): "
+                          "pip install -e '.[bench]'") from None
 
     options = runner.RunOptions(device=args.device, nproc=args.nproc, out=Path(args.out),
                                 quick=args.quick)

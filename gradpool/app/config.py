@@ -278,6 +278,26 @@ class LaunchConfig(_Section):
     master_port: Optional[int] = _key(None, Int(minimum=1, maximum=65535, nullable=True))
     log_dir: Optional[str] = _key(None, Text(nullable=True))   # null: a temporary one
 
+    def _check_together(self, source: str) -> None:
+        bound = max_ranks(self.device)
+        if self.ranks > bound:
+            raise ConfigValueError(
+                f"{source}: launch.ranks = {self.ranks} is more than one machine runs on "
+                f"{self.device} ({bound}); lower it", key="launch.ranks", given=self.ranks,
+                allowed=f"an integer in [1, {bound}]")
+
+
+# One host's sensible number of ranks: a few per core on CPU (correctness runs oversubscribe),
+# the cards of one server on Ascend (16 for the largest 910B servers).
+RANKS_PER_CPU_CORE = 4
+ASCEND_CARDS_PER_NODE = 16
+
+
+def max_ranks(device: str) -> int:
+    if device == "Ascend":
+        return ASCEND_CARDS_PER_NODE
+    return RANKS_PER_CPU_CORE * (os.cpu_count() or 1)
+
 
 _SECTIONS = {"fully_shard": FullyShardConfig, "gradpool": GradPoolConfig,
              "model": ModelConfig, "train": TrainConfig, "launch": LaunchConfig}
@@ -528,7 +548,15 @@ def load_config(path: str | os.PathLike, overrides: Iterable[str | Override] = (
             text = fh.read()
     except OSError as exc:
         raise ConfigError(f"{source}: cannot be read ({exc.strerror})") from None
-    return from_dict(_parse_yaml(text, source), overrides, source)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{source}: is not UTF-8 text (byte {exc.start}: {exc.reason}); save "
+                          "it as UTF-8") from None
+    data = _parse_yaml(text, source)
+    if data is None:
+        raise ConfigError(f"{source}: is empty; write at least one section, e.g. "
+                          "'fully_shard:\n  comm_fusion: false' (every key left out takes its "
+                          "default; `gradpool check-config` prints them all)")
+    return from_dict(data, overrides, source)
 
 
 def dump_yaml(cfg: RunConfig) -> str:
