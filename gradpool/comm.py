@@ -275,7 +275,9 @@ class CpuMcclCommunicator(_GroupCommunicator):
 
     MindSpore 2.10 has no CPU reduce-scatter kernel, so ``reduce_scatter`` is an **all-reduce of
     the whole input followed by keeping this rank's chunk**: it moves W times the bytes of a real
-    reduce-scatter (fine for tests and CPU runs, not a performance model). The CPU collectives
+    reduce-scatter (fine for tests and CPU runs, not a performance model). In a sub-group (a mesh
+    dim) ``all_gather`` is an all-reduce too, AllGather running over the world group only. The CPU
+    collectives
     reject bfloat16, so **bfloat16 travels as float32 on the wire** (exact for the values, sums are
     accumulated in float32) and is cast back when written. ``"avg"`` is the sum divided by the
     world size, computed out-of-place and then written. Collectives run synchronously: the handle
@@ -286,6 +288,7 @@ class CpuMcclCommunicator(_GroupCommunicator):
 
     def __init__(self, group: Optional[str] = None):
         from mindspore.communication import GlobalComm, get_group_size, get_rank
+        self._world_group = GlobalComm.WORLD_COMM_GROUP
         self.group = group or GlobalComm.WORLD_COMM_GROUP
         self._rank = get_rank(self.group)
         self._world = get_group_size(self.group)
@@ -297,7 +300,16 @@ class CpuMcclCommunicator(_GroupCommunicator):
         return self._finish(output, self._average(mine) if op == "avg" else mine)
 
     def _all_gather(self, output, input, async_op) -> CommHandle:
-        return self._finish(output, self._run("all_gather", "all_gather", input))
+        if self.group == self._world_group:
+            return self._finish(output, self._run("all_gather", "all_gather", input))
+        # AllGather runs only over the world group on CPU ("AllGather only support
+        # mccl_world_group"): in a sub-group, each rank puts its input at its place in a zero
+        # buffer and the buffers are summed (exact: every other addend is zero).
+        n = input.numel()
+        pieces = [mint.zeros(self._rank * n, dtype=input.dtype), input,
+                  mint.zeros((self._world - self._rank - 1) * n, dtype=input.dtype)]
+        placed = mint.cat([piece for piece in pieces if piece.numel()])
+        return self._finish(output, self._run("all_gather", "all_reduce", placed))
 
     def _all_reduce(self, tensor, op, async_op) -> CommHandle:
         total = self._run("all_reduce", "all_reduce", tensor)

@@ -154,6 +154,21 @@ def _release_output(item: _Launched) -> None:
     item.bucket.borrowed = None
 
 
+class _Chain:
+    """Two collectives one after the other: waited in order, done when the second is; the first
+    failure is what every wait raises."""
+
+    def __init__(self, first, second):
+        self._first, self._second = first, second
+
+    def wait(self) -> None:
+        self._first.wait()
+        self._second.wait()
+
+    def is_completed(self) -> bool:
+        return fence_done(self._first) and fence_done(self._second)
+
+
 class _AllOf:
     """Done when every one of ``handles`` is (a fence for a bucket one of them may read)."""
 
@@ -199,10 +214,16 @@ def _check_tensors(grads: Sequence[ms.Tensor]) -> None:
 class GradReducer:
     """Reduce-scatters (or all-reduces) gradients through pool-owned buckets."""
 
-    def __init__(self, pool: BucketPool, comm: Communicator, config: ReducerConfig = ReducerConfig()):
+    def __init__(self, pool: BucketPool, comm: Communicator, config: ReducerConfig = ReducerConfig(),
+                 replicate_comm: Optional[Communicator] = None):
+        """``comm``: the shard group. ``replicate_comm`` (HSDP): the group of this rank's replicas;
+        each reduce-scatter's output is then all-reduced in it, so ``"avg"`` averages over
+        every rank of the mesh (``replicate_comm`` None or of one rank: no such step)."""
         self.pool = pool
         self.comm = comm
         self.config = config
+        self.replicate_comm = replicate_comm \
+            if replicate_comm is not None and replicate_comm.world_size > 1 else None
         self.borrows = 0      # gradients the collective read in place (zero-copy)
 
     # -- planning -------------------------------------------------------------------------------
@@ -285,8 +306,9 @@ class GradReducer:
                           [grads[i] for i in bucket.indices], bucket.layout)
 
     def launch(self, buckets: list[PackedBucket], op: str = "avg", count: Optional[int] = None,
-               all_reduce: bool = False) -> ReduceResult:
-        """Start the collective of every bucket and release the inputs fenced on it."""
+               all_reduce: bool = False, across_replicas: bool = True) -> ReduceResult:
+        """Start the collective of every bucket and release the inputs fenced on it.
+        ``across_replicas=False`` skips the replicate-group all-reduce (HSDP)."""
         try:
             check_reduce_op(op)
         except InvalidArgumentError:
@@ -302,7 +324,7 @@ class GradReducer:
         taken: list[Lease] = []
         for position, bucket in enumerate(buckets):
             try:
-                self._launch_one(result, bucket, op, all_reduce, taken)
+                self._launch_one(result, bucket, op, all_reduce, across_replicas, taken)
             except BaseException:
                 # this bucket may be in flight already: its input goes back fenced like the rest
                 rest = buckets[position:]
@@ -321,16 +343,27 @@ class GradReducer:
 
     # -- one-call forms -------------------------------------------------------------------------
     def reduce_scatter(self, grads: Sequence[ms.Tensor], shard_dims: Optional[Sequence[int]] = None,
-                       op: str = "avg") -> ReduceResult:
+                       op: str = "avg", across_replicas: bool = True) -> ReduceResult:
         """Reduce-scatter ``grads``; ``wait()`` gives this rank's shard of each, in order."""
-        return self._reduce(grads, shard_dims, None, op, all_reduce=False)
+        return self._reduce(grads, shard_dims, None, op, False, across_replicas)
 
-    def all_reduce(self, grads: Sequence[ms.Tensor], op: str = "avg") -> ReduceResult:
+    def all_reduce(self, grads: Sequence[ms.Tensor], op: str = "avg",
+                   across_replicas: bool = True) -> ReduceResult:
         """All-reduce whole gradients (replicated parameters) in pool buckets."""
-        return self._reduce(grads, None, 1, op, all_reduce=True)
+        return self._reduce(grads, None, 1, op, True, across_replicas)
+
+    def all_reduce_replicas(self, grads: Sequence[ms.Tensor], op: str = "avg") -> ReduceResult:
+        """HSDP: all-reduce already reduce-scattered shard gradients across the replicas only
+        (in pool buckets): the second half of a reduce whose first half ran earlier."""
+        if self.replicate_comm is None:
+            raise InvalidArgumentError("all_reduce_replicas needs a replicate group of 2 or more "
+                                       "ranks (GradReducer(replicate_comm=...))")
+        return self._reduce(grads, None, 1, op, True, across_replicas=False,
+                            comm=self.replicate_comm)
 
     # -- internals ------------------------------------------------------------------------------
-    def _reduce(self, grads, shard_dims, world_size, op: str, all_reduce: bool) -> ReduceResult:
+    def _reduce(self, grads, shard_dims, world_size, op: str, all_reduce: bool,
+                across_replicas: bool, comm: Optional[Communicator] = None) -> ReduceResult:
         """Pack and launch bucket by bucket: each input bucket is released (fenced) before the
         next one is packed, so a bucket whose collective has completed serves the next one."""
         check_reduce_op(op)
@@ -340,7 +373,7 @@ class GradReducer:
         try:
             for dtype, indices, layout in plan:
                 bucket = self._pack_one(grads, dtype, indices, layout, not all_reduce, taken)
-                self._launch_one(result, bucket, op, all_reduce, taken)
+                self._launch_one(result, bucket, op, all_reduce, across_replicas, taken, comm)
         except BaseException:
             self._abandon(result, taken)
             raise
@@ -377,20 +410,32 @@ class GradReducer:
         return PackedBucket(indices, layout, dtype, lease=lease)
 
     def _launch_one(self, result: ReduceResult, bucket: PackedBucket, op: str,
-                    all_reduce: bool, taken: list[Lease]) -> None:
-        """Start ``bucket``'s collective into ``result`` (recorded there before anything else
-        happens, so that whatever stops the caller knows it is in flight)."""
+                    all_reduce: bool, across_replicas: bool, taken: list[Lease],
+                    comm: Optional[Communicator] = None) -> None:
+        """Start ``bucket``'s collective (over ``comm``, default the shard group) into
+        ``result``, recorded there before anything else happens, so that whatever stops the
+        caller knows it is in flight."""
+        comm = comm if comm is not None else self.comm
         if all_reduce:
-            handle = as_fence(self.comm.all_reduce(bucket.lease.tensor, op=op, async_op=True))
+            handle = as_fence(comm.all_reduce(bucket.lease.tensor, op=op, async_op=True))
             # the bucket is reduced in place: it is its own output
             result.launched.append(_Launched(bucket, bucket.lease, handle))
-            return
-        output = self.pool.acquire(bucket.layout.row_numel, bucket.dtype, holder=taken)
-        handle = as_fence(self.comm.reduce_scatter(output.tensor, bucket.input_tensor, op=op,
-                                                   async_op=True))
-        result.launched.append(_Launched(bucket, output, handle))
-        if bucket.lease is not None:
-            bucket.lease.release(handle)     # recycled only once the collective completed
+            output = bucket.lease
+        else:
+            output = self.pool.acquire(bucket.layout.row_numel, bucket.dtype, holder=taken)
+            handle = as_fence(comm.reduce_scatter(output.tensor, bucket.input_tensor,
+                                                  op=op, async_op=True))
+            result.launched.append(_Launched(bucket, output, handle))
+            if bucket.lease is not None:
+                bucket.lease.release(handle)     # recycled only once the collective completed
+        if across_replicas and self.replicate_comm is not None:
+            # HSDP: the replicas' outputs are all-reduced next, on pool memory too. It reads what
+            # the first collective wrote, so it is ordered after it (on Ascend a stream wait).
+            first = result.launched[-1]
+            first.handle.wait()
+            second = as_fence(self.replicate_comm.all_reduce(output.tensor, op=op,
+                                                             async_op=True))
+            first.handle = _Chain(first.handle, second)
 
     def _copy_in(self, write, lease: Lease, grads, layout: ReduceScatterLayout) -> None:
         """Run one pack or accumulate and account it in the pool's statistics."""

@@ -12,10 +12,11 @@ other's buckets.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
-from gradpool.comm import Communicator, communicator_for, init_distributed
+from gradpool.comm import (Communicator, SingleProcessCommunicator, communicator_for,
+                           init_distributed)
 from gradpool.device import device_target
 from gradpool.errors import (InvalidArgumentError, check_bool, check_int,
                              check_positive_number)
@@ -88,12 +89,30 @@ class Runtime:
     config: GradPoolConfig
     pool: BucketPool
     comm: Communicator
+    _groups: dict = field(default_factory=dict)
 
-    def reducer(self, reduce_dtype=None, comm_fusion: bool = False) -> GradReducer:
-        """A reducer on this runtime's pool and communicator."""
-        return GradReducer(self.pool, self.comm, ReducerConfig(
+    def reducer(self, reduce_dtype=None, comm_fusion: bool = False,
+                comm: Optional[Communicator] = None,
+                replicate_comm: Optional[Communicator] = None) -> GradReducer:
+        """A reducer on this runtime's pool; over ``comm`` (default: the runtime's, every rank)
+        and, for HSDP, ``replicate_comm``."""
+        return GradReducer(self.pool, comm if comm is not None else self.comm, ReducerConfig(
             reduce_dtype=reduce_dtype, comm_fusion=comm_fusion,
-            bucket_cap_mib=self.config.bucket_cap_mib, zero_copy=self.config.zero_copy))
+            bucket_cap_mib=self.config.bucket_cap_mib, zero_copy=self.config.zero_copy),
+            replicate_comm=replicate_comm)
+
+    def group_comm(self, group: Optional[str]) -> Communicator:
+        """The communicator of MindSpore group ``group`` (None: a group of this rank alone);
+        the runtime's own for the world group. Built once per group."""
+        from mindspore.communication import GlobalComm
+        if group is None:
+            return SingleProcessCommunicator()
+        if group == GlobalComm.WORLD_COMM_GROUP:
+            return self.comm
+        comm = self._groups.get(group)
+        if comm is None:
+            comm = self._groups[group] = communicator_for(self.pool.device, group)
+        return comm
 
 
 def build_runtime(config: GradPoolConfig, comm: Optional[Communicator] = None) -> Runtime:

@@ -1,5 +1,7 @@
 """Upstream-compatible ``fully_shard`` for MindSpore whose reduce path runs on gradpool buckets."""
 from hyper_parallel.core.device_mesh import DeviceMesh, init_device_mesh
 from hyper_parallel.core.fully_shard.api import HSDPModule, fully_shard, hsdp_sync_stream
+from hyper_parallel.core.fully_shard.clip import clip_grad_norm_
 
-__all__ = ["fully_shard", "hsdp_sync_stream", "HSDPModule", "DeviceMesh", "init_device_mesh"]
+__all__ = ["fully_shard", "hsdp_sync_stream", "HSDPModule", "DeviceMesh", "init_device_mesh",
+           "clip_grad_norm_"]

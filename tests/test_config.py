@@ -323,6 +323,8 @@ SIMPLE = {
     "fully_shard.reduce_dtype": dtype,
     "fully_shard.apply_grad_on_fp32_main_grad": st.booleans(),
     "fully_shard.reduce_op": st.sampled_from(["avg", "sum"]),
+    "fully_shard.gradient_scaling_factor": finite_positive,
+    "fully_shard.all_reduce_every_micro_step": st.booleans(),
     "gradpool.bucket_cap_mib": pool_mib,
     "gradpool.max_buckets_in_flight": st.none() | st.integers(1, 64),
     "gradpool.alignment_bytes": st.integers(1, 1024).map(lambda n: 4 * n),
@@ -367,7 +369,7 @@ MODEL_SHAPE_KEYS = {"model.num_heads", "model.hidden_size", "model.num_experts",
 def test_property_strategies_cover_every_key():
     # A key added to the schema must be added to the property test too.
     every = {f"{s}.{k}" for s, keys in known_keys().items() for k in keys}
-    assert set(SIMPLE) | MODEL_SHAPE_KEYS == every
+    assert set(SIMPLE) | MODEL_SHAPE_KEYS | MESH_KEYS == every
 
 
 @st.composite
@@ -428,3 +430,31 @@ def test_pool_sizes_too_small_for_one_aligned_chunk_are_refused_at_load(tmp_path
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert f"gradpool.{key} = {value!r}" in str(err.value) and str(path) in str(err.value)
+
+
+# ---- the mesh -----------------------------------------------------------------------------------
+MESH_KEYS = {"fully_shard.mesh_shape", "fully_shard.mesh_dim_names"}     # checked together
+
+
+def test_a_mesh_loads_from_a_file_and_from_overrides(tmp_path):
+    hsdp = load_config(CONFIGS / "deepseek3_tiny_hsdp.yaml")
+    assert hsdp.fully_shard.mesh_shape == (2, 2) and hsdp.launch.ranks == 4
+    assert hsdp.fully_shard.mesh_dim_names == ("dp_replicate", "fsdp")
+    assert from_dict(yaml.safe_load(dump_yaml(hsdp))) == hsdp
+    cfg = load_config(TINY, ["fully_shard.mesh_shape=[1, 2]"])
+    assert cfg.fully_shard.mesh_shape == (1, 2)
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"mesh_shape": [2, 2, 1]}, "has 3 dims"),
+    ({"mesh_shape": [2, 0]}, "fully_shard.mesh_shape = [2, 0]"),
+    ({"mesh_shape": []}, "non-empty list"),
+    ({"mesh_shape": [2, 2], "mesh_dim_names": ["a", "a"]}, "an item repeats"),
+    ({"mesh_shape": [2, 2], "mesh_dim_names": ["a"]}, "one name per dim"),
+    ({"mesh_dim_names": ["a"]}, "one name per dim"),
+    ({"mesh_shape": "2x2"}, "'2x2'"),
+])
+def test_bad_meshes_are_refused_naming_the_key(body, needle):
+    with pytest.raises(ConfigValueError) as err:
+        from_dict({"fully_shard": body})
+    assert needle in str(err.value)

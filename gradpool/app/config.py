@@ -168,6 +168,31 @@ class Text:
         raise _Reject()
 
 
+@dataclass(frozen=True)
+class ListOf:
+    """A non-empty YAML list whose every item obeys ``item``; stored as a tuple (hashable)."""
+
+    item: Any
+    nullable: bool = False
+    unique: bool = False
+
+    def describe(self) -> str:
+        text = f"a non-empty list of {self.item.describe().replace('a ', '', 1)}s"
+        if self.unique:
+            text += ", each once"
+        return text + " or null" if self.nullable else text
+
+    def coerce(self, value: Any, lenient: bool) -> Optional[tuple]:
+        if value is None and self.nullable:
+            return None
+        if not isinstance(value, (list, tuple)) or not value:
+            raise _Reject()
+        items = tuple(self.item.coerce(v, lenient) for v in value)
+        if self.unique and len(set(items)) != len(items):
+            raise _Reject("an item repeats")
+        return items
+
+
 def _key(default: Any, rule: Any):
     """A config key: its default and the rule its values obey."""
     return field(default=default, metadata={"rule": rule})
@@ -218,6 +243,27 @@ class FullyShardConfig(_Section):
     reduce_dtype: Optional[str] = _key("float32", Choice(DTYPE_NAMES, nullable=True))
     apply_grad_on_fp32_main_grad: bool = _key(True, Bool())
     reduce_op: str = _key("avg", Choice(("avg", "sum")))
+    # null: shard over every rank; [R, S]: HSDP, R replicas of S-way shards (R * S = ranks)
+    mesh_shape: Optional[tuple] = _key(None, ListOf(Int(minimum=1), nullable=True))
+    mesh_dim_names: Optional[tuple] = _key(None, ListOf(Text(), nullable=True, unique=True))
+    gradient_scaling_factor: float = _key(1.0, PositiveNumber())   # reduced grads times this
+    # false (HSDP): skip the replicate all-reduce on all but the last micro-step
+    all_reduce_every_micro_step: bool = _key(True, Bool())
+
+    def _check_together(self, source: str) -> None:
+        if self.mesh_shape is not None and len(self.mesh_shape) > 2:
+            raise ConfigValueError(
+                f"{source}: fully_shard.mesh_shape = {list(self.mesh_shape)} has "
+                f"{len(self.mesh_shape)} dims; fully_shard takes [shard] or [replicate, shard]",
+                key="fully_shard.mesh_shape", given=self.mesh_shape, allowed="1 or 2 sizes")
+        if self.mesh_dim_names is not None and (
+                self.mesh_shape is None or len(self.mesh_dim_names) != len(self.mesh_shape)):
+            raise ConfigValueError(
+                f"{source}: fully_shard.mesh_dim_names = {list(self.mesh_dim_names)} needs one "
+                f"name per dim of fully_shard.mesh_shape = "
+                f"{list(self.mesh_shape) if self.mesh_shape else None}",
+                key="fully_shard.mesh_dim_names", given=self.mesh_dim_names,
+                allowed="one name per mesh dim")
 
 
 # The library's GradPoolConfig, as YAML keys, and the rules their values are read by.
@@ -331,7 +377,9 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         """Plain nested dict of builtins; ``from_dict(cfg.to_dict()) == cfg``."""
-        return {name: dataclasses.asdict(getattr(self, name)) for name in _SECTIONS}
+        return {name: {key: list(value) if isinstance(value, tuple) else value
+                       for key, value in dataclasses.asdict(getattr(self, name)).items()}
+                for name in _SECTIONS}
 
 
 def known_keys() -> dict:
@@ -421,6 +469,8 @@ def parse_override(text: str) -> Override:
     key = _current_name(section, key, source)
     _check_known(section, key, source)
     value = _parse_yaml(raw_value.strip(), source) if raw_value.strip() else None
+    if isinstance(value, list) and isinstance(_rules(section)[key], ListOf):
+        return Override(section, key, value, text)       # e.g. fully_shard.mesh_shape=[2,2]
     if isinstance(value, (dict, list)):
         raise OverrideSyntaxError(
             f"{source}: value {raw_value.strip()!r} is a {type(value).__name__}; overrides take "

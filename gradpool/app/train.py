@@ -65,12 +65,24 @@ def build_sharded_model(cfg: RunConfig, replicate: Callable = None,
     kwargs = dict(mp_policy=mixed_precision(cfg), comm_fusion=cfg.fully_shard.comm_fusion,
                   reshard_after_forward=cfg.fully_shard.reshard_after_forward,
                   pool_config=cfg.gradpool, shard_placement_fn=shard_placement_fn,
-                  replicate_params=set(replicate(model)) if replicate else None)
+                  replicate_params=set(replicate(model)) if replicate else None,
+                  mesh=device_mesh(cfg))
     for layer in model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     model.set_reduce_op_type(cfg.fully_shard.reduce_op)
+    model.set_gradient_scaling_factor(cfg.fully_shard.gradient_scaling_factor)
     return model
+
+
+def device_mesh(cfg: RunConfig):
+    """The configured mesh (``fully_shard.mesh_shape``), or None: shard over every rank."""
+    if cfg.fully_shard.mesh_shape is None:
+        return None
+    from hyper_parallel import init_device_mesh
+    return init_device_mesh("npu" if cfg.launch.device == "Ascend" else "cpu",
+                            cfg.fully_shard.mesh_shape,
+                            mesh_dim_names=cfg.fully_shard.mesh_dim_names)
 
 
 def _optimizer(cfg: RunConfig, params):
@@ -97,7 +109,11 @@ def train_sharded(cfg: RunConfig, model, comm, pool,
         model.zero_grad()
         losses = []
         for micro in range(cfg.train.micro_steps):
-            model.set_requires_gradient_sync(micro == cfg.train.micro_steps - 1)
+            last = micro == cfg.train.micro_steps - 1
+            if cfg.fully_shard.all_reduce_every_micro_step:
+                model.set_requires_gradient_sync(last)      # accumulate in the unit's buckets
+            else:
+                model.set_requires_all_reduce(last)          # HSDP: reduce-scatter each one
             loss, grads = grad_fn(_batch(cfg, step, micro, comm.rank, comm.world_size))
             losses.append(loss)
         optimizer(grads)

@@ -8,6 +8,7 @@ get ``GradPoolConfig()``'s defaults.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Callable, Optional, Union
 
 import mindspore as ms
@@ -28,19 +29,66 @@ logger = logging.getLogger(__name__)
 _EXTENDED_CLASSES: dict[type, type] = {}
 
 
+class _Unsharded:
+    """What ``unshard(async_op=True)`` returns: the gather ran when it was called (MindSpore 2.10
+    gathers synchronously here), so ``wait()`` has nothing left to wait for."""
+
+    def wait(self) -> None:
+        return None
+
+
 class HSDPModule:
     """Methods a module gains from ``fully_shard`` (they act on every unit in its subtree)."""
 
     def _hsdp_units(self) -> list[HSDPUnitState]:
-        return [cell.__dict__["_hsdp_state"] for _, cell in self.cells_and_names()
-                if "_hsdp_state" in cell.__dict__]
+        units: dict[int, HSDPUnitState] = {}
+        for _, cell in self.cells_and_names():
+            unit = cell.__dict__.get("_hsdp_state")
+            if unit is not None:
+                units.setdefault(id(unit), unit)     # a list unit sits on each of its modules
+        return list(units.values())
+
+    def _set_all(self, name: str, attribute: str, value) -> None:
+        if not isinstance(value, bool):
+            raise InvalidArgumentError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+        for unit in self._hsdp_units():
+            setattr(unit, attribute, value)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
-        if not isinstance(requires_gradient_sync, bool):
-            raise InvalidArgumentError(
-                f"requires_gradient_sync must be a bool, got {requires_gradient_sync!r}")
+        """False: micro-steps accumulate in the unit's pool buckets, no collective runs."""
+        self._set_all("requires_gradient_sync", "requires_sync", requires_gradient_sync)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool) -> None:
+        """HSDP: False skips the replicate-group all-reduce after each reduce-scatter, so each
+        replica keeps its own shard gradient (all-reduced later, e.g. on the last micro-step)."""
+        self._set_all("requires_all_reduce", "requires_all_reduce", requires_all_reduce)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """True (default): the root unit's backward ends the step: it waits for every collective
+        still in flight on its pools (``hsdp_sync_stream``) before it returns; False leaves them
+        in flight (more micro-batches follow). Each unit's own reduce completes inside its
+        backward here, so what the root drains is what else was left in flight."""
+        self._set_all("is_last_backward", "is_last_backward", is_last_backward)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool) -> None:
+        """True: drop the unit's references to the gathered parameters after forward. On
+        MindSpore 2.10 autograd keeps what backward needs, so this does not lower peak memory."""
+        self._set_all("reshard_after_forward", "reshard_after_forward", reshard_after_forward)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool) -> None:
+        """True (default): gathered parameters installed by ``unshard()`` are dropped when the
+        unit's backward ends; False keeps them installed until ``reshard()``."""
+        self._set_all("reshard_after_backward", "reshard_after_backward", reshard_after_backward)
+
+    def set_gradient_scaling_factor(self, factor: float) -> None:
+        """Multiply each reduced gradient by ``factor`` (upstream's use: reduce with "sum" and
+        scale by 1/N instead of averaging)."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) \
+                or not math.isfinite(factor) or factor <= 0:
+            raise InvalidArgumentError(f"gradient scaling factor must be a finite number > 0, got "
+                             f"{factor!r}")
         for unit in self._hsdp_units():
-            unit.requires_sync = requires_gradient_sync
+            unit.gradient_scaling_factor = float(factor)
 
     def set_reduce_op_type(self, reduce_op_type: str) -> None:
         for unit in self._hsdp_units():
@@ -51,13 +99,17 @@ class HSDPModule:
         for unit in self._hsdp_units():
             unit.zero_grad()
 
-    def unshard(self, async_op: bool = False) -> None:
-        """Gather every managed parameter into its cells (until ``reshard()``). The gather is
-        synchronous; ``async_op`` is accepted for upstream compatibility."""
+    def unshard(self, async_op: bool = False):
+        """Gather every managed parameter into its cells (until ``reshard()``, or the end of the
+        unit's next backward). With ``async_op=True`` returns a handle with ``wait()``.
+
+        The cells then read the full tensors; ``trainable_params()`` still lists the local
+        shards (MindSpore 2.10's optimizers hold those Parameter objects), unlike upstream."""
         if not isinstance(async_op, bool):
             raise InvalidArgumentError(f"async_op must be a bool, got {async_op!r}")
         for unit in self._hsdp_units():
             unit.unshard()
+        return _Unsharded() if async_op else None
 
     def reshard(self) -> None:
         for unit in self._hsdp_units():
@@ -100,17 +152,29 @@ def _validate(modules, mp_policy, offload_policy, reshard_after_forward, comm_fu
         raise InvalidArgumentError(f"pool_config must be a GradPoolConfig, got {pool_config!r}")
 
 
-def _validate_mesh(mesh, world: int) -> None:
-    if mesh is not None:
-        if not isinstance(mesh, DeviceMesh):
-            raise InvalidArgumentError(f"mesh must come from init_device_mesh, got {mesh!r}")
-        if mesh.ndim != 1:
-            raise InvalidArgumentError(
-                f"only a 1-D mesh (full sharding) is supported, got mesh_shape {mesh.mesh_shape}")
-        if mesh.size() != world:
-            raise InvalidArgumentError(
-                f"mesh covers {mesh.size()} ranks but the world size is {world}; use a mesh over "
-                "all ranks")
+def _mesh_comms(mesh: Optional[DeviceMesh], runtime):
+    """(shard communicator, replicate communicator or None) of ``mesh`` for this rank: a 1-D
+    mesh shards over its ranks; a 2-D one replicates over dim 0 and shards over dim 1."""
+    if mesh is None:
+        return runtime.comm, None
+    if not isinstance(mesh, DeviceMesh):
+        raise InvalidArgumentError(f"mesh must come from init_device_mesh, got {mesh!r}")
+    if mesh.ndim not in (1, 2):
+        raise InvalidArgumentError(
+            f"fully_shard takes a 1-D mesh (shard) or a 2-D one (replicate, shard), got a "
+            f"{mesh.ndim}-D mesh_shape {mesh.mesh_shape}")
+    world = runtime.comm.world_size
+    if max(mesh.ranks) >= world:
+        raise InvalidArgumentError(
+            f"mesh covers {mesh.size()} ranks but the world size is {world}; its ranks "
+            f"{mesh.ranks} must exist")
+    if runtime.comm.rank not in mesh.ranks:
+        raise InvalidArgumentError(
+            f"rank {runtime.comm.rank} is not in {mesh!r}; apply fully_shard with a mesh that "
+            "holds this rank")
+    if mesh.ndim == 1:
+        return runtime.group_comm(mesh.get_group(0)), None
+    return runtime.group_comm(mesh.get_group(1)), runtime.group_comm(mesh.get_group(0))
 
 
 def _placement_dim(shard_placement_fn: Optional[Callable], param) -> int:
@@ -173,41 +237,48 @@ def fully_shard(module: Union[nn.Cell, list], *, mesh: Optional[DeviceMesh] = No
                 replicate_params=None, comm_fusion: bool = False,
                 pool_config: Optional[GradPoolConfig] = None):
     """Shard ``module``'s parameters across the shard group and reduce their gradients through
-    gradpool. Mutates and returns ``module`` (a list: each module becomes its own unit)."""
+    gradpool. Mutates and returns ``module``; a list of modules becomes one unit.
+
+    ``mesh``: None shards over every rank; a 1-D mesh (it may be a sub-mesh: a part of the
+    world) shards over its ranks; a 2-D mesh replicates over dim 0 and shards over dim 1 (HSDP:
+    reduce-scatter in the shard group, then all-reduce in the replicate group, both on pool
+    memory)."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
         raise InvalidArgumentError("fully_shard got an empty list of modules")
     config = pool_config if pool_config is not None else GradPoolConfig()
     _validate(modules, mp_policy, offload_policy, reshard_after_forward, comm_fusion, config)
     runtime = runtime_for(config)     # after validation: a refused call leaves nothing behind
-    _validate_mesh(mesh, runtime.comm.world_size)
+    shard_comm, replicate_comm = _mesh_comms(mesh, runtime)
     ignored = {id(p) for p in ignored_params or ()}
     replicated = {id(p) for p in replicate_params or ()}
-    reducer = runtime.reducer(reduce_dtype=mp_policy.reduce_dtype, comm_fusion=comm_fusion)
+    reducer = runtime.reducer(reduce_dtype=mp_policy.reduce_dtype, comm_fusion=comm_fusion,
+                              comm=shard_comm, replicate_comm=replicate_comm)
     # Plan every module first (every check that can fail, and the shards), then commit: a call
     # that fails leaves every module exactly as it was, so a corrected retry manages everything.
-    plans, claimed = [], set()
+    params, claimed = [], set()
     for mod in modules:
-        params = []
         for param, owners in _managed_params(mod, ignored, claimed):
             is_replicated = id(param) in replicated
             managed = MindSporeHSDPParamV2(
-                *owners[0], param, rank=runtime.comm.rank, world_size=runtime.comm.world_size,
-                comm=runtime.comm,
+                *owners[0], param, rank=shard_comm.rank, world_size=shard_comm.world_size,
+                comm=shard_comm,
                 shard_dim=0 if is_replicated else _placement_dim(shard_placement_fn, param),
                 replicate=is_replicated, mp_policy=mp_policy,
                 verify_gradients=config.verify_gradients)
             managed.owners = owners
             claimed.add(id(param))
             params.append((param, managed))
-        plans.append((mod, params))
-    for mod, params in plans:
-        for param, managed in params:
-            managed.adopt(param)
-            for cell, attr in managed.owners:
-                cell._params[attr] = managed.sharded_param    # pylint: disable=protected-access
+    for param, managed in params:
+        managed.adopt(param)
+        for cell, attr in managed.owners:
+            cell._params[attr] = managed.sharded_param    # pylint: disable=protected-access
+    # A list is one unit, as upstream: one gather and one reduce per step for all its modules.
+    unit = HSDPUnitState(modules, [m for _, m in params], reducer, mp_policy,
+                         reshard_after_forward)
+    for mod in modules:
         _extend_class(mod)
-        mod.__dict__["_hsdp_state"] = HSDPUnitState(mod, [m for _, m in params], reducer,
-                                                    mp_policy, reshard_after_forward)
-        logger.debug("fully_shard: %s manages %d parameters", type(mod).__name__, len(params))
+        mod.__dict__["_hsdp_state"] = unit
+    logger.debug("fully_shard: %s manage %d parameters", [type(m).__name__ for m in modules],
+                 len(params))
     return module

@@ -23,7 +23,9 @@ import numpy as np
 from mindspore import Parameter, mint
 
 from gradpool import (GradientIntegrityError, GradSlot, InvalidArgumentError, ReduceResult,
-                      check_reduce_op, local_shard, unshard, writable_view)
+                      ReduceScatterLayout, check_reduce_op, local_shard, synchronize, unshard,
+                      writable_view)
+from gradpool import pack as packing
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +83,7 @@ class MindSporeHSDPParamV2:
         self._grad: Optional[ms.Tensor] = None
         self._fingerprint: Optional[_GradFingerprint] = None
         self._slot: Optional[ReduceSlot] = None
+        self.partial: Optional[ms.Tensor] = None   # HSDP: shard-group sum, replicas not yet in
         self.verified_gradients = 0     # gradients proven intact after their reduce path
 
     # -- sharding -------------------------------------------------------------------------------
@@ -113,6 +116,10 @@ class MindSporeHSDPParamV2:
             gathered = mint.empty(numel * self.world_size, dtype=local.dtype)
             self.comm.all_gather(gathered, local.reshape(numel), async_op=False).wait()
             full = unshard(gathered, self.slot)
+        return self.in_param_dtype(full)
+
+    def in_param_dtype(self, full: ms.Tensor) -> ms.Tensor:
+        """``full`` cast to the compute dtype (``param_dtype``) when one is set."""
         if self.param_dtype is not None and full.dtype != self.param_dtype:
             full = full.astype(self.param_dtype)
         return full
@@ -183,6 +190,8 @@ class MindSporeHSDPParamV2:
         self._check_gradient_intact()
         self._grad = None
 
+    finish_reduce_input = finish_local_use     # its reduce has read it: verify, then drop
+
     def clear_reduce_scatter_output(self) -> None:
         """Return the output bucket to the pool (shared fused results are released once)."""
         if self._slot is not None:
@@ -223,3 +232,64 @@ class MindSporeHSDPParamV2:
     def __repr__(self) -> str:
         kind = "replicated" if self.replicate else f"Shard({self.shard_dim})"
         return f"MindSporeHSDPParamV2({self.name}, {self.orig_shape}, {kind})"
+
+
+# -- one unit's all-gather -------------------------------------------------------------------------
+def all_gather_params(params: list, locals_: list, pool, *, fused: bool,
+                      host: bool = True) -> tuple:
+    """The full parameters (in ``param_dtype``) of one unit from their local shards.
+
+    ``fused`` (``comm_fusion=True``, like upstream's fused all-gather and PyTorch FSDP2's
+    ``foreach_all_gather``): **one all-gather per local dtype** for all the unit's sharded
+    parameters, on pool buckets. Each rank packs its shards as one row of the parameters'
+    :class:`ReduceScatterLayout` (``gradpool.pack.pack`` at world size 1: the same offsets and
+    alignment as a reduce bucket), all-gathers the rows into a ``[W, row]`` bucket, and each full
+    parameter is copied out of it (``gradpool.pack.unpack_gathered``, chunk geometry by
+    ``unshard``). Not fused: one all-gather per parameter (:meth:`MindSporeHSDPParamV2.unsharded`).
+
+    Lifetime (why copy out): the full parameters never alias a gather bucket, so both buckets go
+    back to the pool as soon as the copies are done, and the next unit's gather or a reduce can
+    reuse them while autograd still holds this unit's parameters for backward. Keeping the lease
+    until the unit's backward instead would hold every unit's gather bucket for the whole step
+    (they all overlap between forward and backward) and leak one when a forward has no backward.
+    The cost is one copy of the gathered bytes, small next to a CPU collective."""
+    fulls: list = [None] * len(params)
+    groups: dict = {}
+    for index, (param, local) in enumerate(zip(params, locals_)):
+        if fused and not param.replicate and param.world_size > 1:
+            groups.setdefault(local.dtype, []).append(index)
+        else:
+            fulls[index] = param.unsharded(local)
+    for dtype, indices in groups.items():
+        members = [params[i] for i in indices]
+        gathered = _gather_bucket(members, [locals_[i] for i in indices], dtype, pool, host)
+        for index, param, full in zip(indices, members, gathered):
+            fulls[index] = param.in_param_dtype(full)
+    return tuple(fulls)
+
+
+def _gather_bucket(members: list, locals_: list, dtype, pool, host: bool) -> list:
+    """One all-gather of ``members``' local shards through two pool leases (send row, gathered
+    ``[W, row]``), both released before this returns; the full tensors own their memory."""
+    comm = members[0].comm
+    align = pool.alignment_elements(dtype)
+    layout = ReduceScatterLayout.build([m.orig_shape for m in members], comm.world_size, align,
+                                       [m.shard_dim for m in members])
+    row = ReduceScatterLayout.build([m.local_shape for m in members], 1, align)
+    send = pool.acquire(row.total_numel, dtype)
+    recv = None
+    handle = None
+    try:
+        written = packing.pack(send, locals_, row, host=host)
+        recv = pool.acquire(layout.total_numel, dtype)
+        handle = comm.all_gather(recv.tensor, send.tensor, async_op=False)
+        handle.wait()
+        fulls = packing.unpack_gathered(recv, layout, host=host)
+        if not (written.on_host and host):
+            synchronize()   # queued device copies still read the bucket: done before recycling
+        return fulls
+    finally:
+        # Fenced on the collective (complete here, or failed: over as far as memory goes).
+        send.release(handle)
+        if recv is not None:
+            recv.release()

@@ -14,6 +14,7 @@ next synchronized backward adds its own gradients and reduces the buckets once.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Optional
 
 import mindspore as ms
@@ -21,16 +22,18 @@ from mindspore import mint
 from mindspore.common._grad_function import _Function
 
 from gradpool import GradReducer, PackedBucket, check_reduce_op
-from hyper_parallel.platform.mindspore.fully_shard.param import MindSporeHSDPParamV2
+from hyper_parallel.platform.mindspore.fully_shard.param import (MindSporeHSDPParamV2,
+                                                                  all_gather_params)
 
 logger = logging.getLogger(__name__)
+_UNITS: list = []        # weak references to every unit (to find the roots)
 
 
 def _make_gather_function(unit: "HSDPUnitState"):
     class UnitGather(_Function):
         @staticmethod
         def forward(ctx, *local_params):
-            return tuple(p.unsharded(t) for p, t in zip(unit.params, local_params))
+            return unit.gather(local_params)
 
         @staticmethod
         def backward(ctx, *grads):
@@ -40,39 +43,74 @@ def _make_gather_function(unit: "HSDPUnitState"):
 
 
 class HSDPUnitState:
-    """Parameters, hooks and pending reductions of one ``fully_shard`` unit."""
+    """Parameters, hooks and pending reductions of one ``fully_shard`` unit: one module, or the
+    modules of one ``fully_shard([a, b, ...])`` call (gathered together, reduced together)."""
 
-    def __init__(self, module, params: list[MindSporeHSDPParamV2], reducer: GradReducer,
+    def __init__(self, modules: list, params: list[MindSporeHSDPParamV2], reducer: GradReducer,
                  mp_policy, reshard_after_forward: bool):
-        self.module = module
+        self.modules = list(modules)
         self.params = params
         self.reducer = reducer
         self.mp_policy = mp_policy
         self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
         self.requires_sync = True
+        self.requires_all_reduce = True
+        self.is_last_backward = True
+        self.gradient_scaling_factor = 1.0
         self.reduce_op = "avg"
         self._pending: Optional[tuple[list[PackedBucket], list[PackedBucket]]] = None
         self._gather = _make_gather_function(self)
+        self._forwarded: set[int] = set()     # modules of this unit run since the last gather
+        self._gathered = False
+        self._is_root: Optional[bool] = None
         for param in params:
             param.unit = self
-        if params:
-            module.register_forward_pre_hook(self._pre_forward)
-        module.register_forward_hook(self._post_forward)
+        for module in self.modules:
+            if params:
+                module.register_forward_pre_hook(self._pre_forward)
+            module.register_forward_hook(self._post_forward)
+        _UNITS.append(weakref.ref(self))
+
+    @property
+    def module(self):
+        return self.modules[0]
+
+    @property
+    def is_root(self) -> bool:
+        """No other unit's module contains this unit's modules (its backward runs last). Known
+        once a backward has run: units are all built by then."""
+        if self._is_root is None:
+            mine = {id(m) for m in self.modules}
+            others = [ref() for ref in _UNITS]
+            self._is_root = not any(
+                mine & ({id(cell) for _, cell in module.cells_and_names()} - {id(module)})
+                for other in others if other is not None and other is not self
+                for module in other.modules)
+        return self._is_root
 
     # -- forward ----------------------------------------------------------------------------------
     def _pre_forward(self, cell, inputs):
-        fulls = self._gather.apply(*[p.sharded_param for p in self.params])
-        if not isinstance(fulls, (tuple, list)):
-            fulls = (fulls,)
-        self._install(fulls)
+        if not self._gathered:
+            # One gather for the whole unit, at the first of its modules to run: its backward
+            # then receives every module's gradients at once, and the unit reduces once.
+            fulls = self._gather.apply(*[p.sharded_param for p in self.params])
+            if not isinstance(fulls, (tuple, list)):
+                fulls = (fulls,)
+            self._install(fulls)
+            self._gathered = True
         dtype = self.mp_policy.param_dtype
         if dtype is not None and self.mp_policy.cast_forward_inputs:
             return tuple(_cast_floating(x, dtype) for x in inputs)
         return None
 
     def _post_forward(self, cell, inputs, outputs):
-        if self.reshard_after_forward:
-            self.uninstall()
+        self._forwarded.add(id(cell))
+        if len(self._forwarded) == len(self.modules):      # every module of the unit has run
+            self._forwarded.clear()
+            self._gathered = False
+            if self.reshard_after_forward:
+                self.uninstall()
         dtype = self.mp_policy.output_dtype
         if dtype is None:
             return None
@@ -93,7 +131,15 @@ class HSDPUnitState:
                 cell.__dict__.pop(attr, None)
 
     def unshard(self) -> None:
-        self._install([p.unsharded(p.sharded_param) for p in self.params])
+        self._install(self.gather([p.sharded_param for p in self.params]))
+
+    def gather(self, local_params) -> tuple:
+        """The unit's full parameters: with ``comm_fusion`` one all-gather per dtype into pool
+        buckets (``param.all_gather_params``), else one per parameter; ``comm_fusion`` governs
+        both directions, as upstream."""
+        return all_gather_params(self.params, list(local_params), self.reducer.pool,
+                                 fused=self.reducer.config.comm_fusion,
+                                 host=self.reducer.config.host_copies)
 
     # -- backward ---------------------------------------------------------------------------------
     def on_backward(self, grads) -> tuple:
@@ -103,9 +149,80 @@ class HSDPUnitState:
             param.set_unsharded_grad(grad)
         if not self.requires_sync:
             self._accumulate(self.params)
+            self._end_of_backward()
             return tuple(mint.zeros(p.local_shape, dtype=p.orig_dtype) for p in self.params)
         self.reduce(self.params, self.reduce_op)
-        return tuple(p.apply_reduced_grad(p.reduce_scatter_output()) for p in self.params)
+        if self._holds_partials():
+            out = self._keep_partials()
+        else:
+            out = tuple(p.apply_reduced_grad(self._scaled(p.reduce_scatter_output()))
+                        for p in self.params)
+        self._end_of_backward()
+        return out
+
+    # -- HSDP without the replicate all-reduce (set_requires_all_reduce(False)) -------------------
+    def _holds_partials(self) -> bool:
+        return self.reducer.replicate_comm is not None and not self.requires_all_reduce
+
+    def _keep_partials(self) -> tuple:
+        """This backward was reduce-scattered in the shard group only: each shard is a replica's
+        partial sum, kept (float32, outside the pool) until a backward with the all-reduce adds
+        it in. Nothing reaches ``main_grad`` yet, and autograd gets zeros."""
+        for param in self.params:            # results are shared: read every shard first
+            shard = param.reduce_scatter_output().astype(ms.float32)
+            param.partial = shard if param.partial is None else mint.add(param.partial, shard)
+        for param in self.params:
+            param.clear_reduce_scatter_output()
+        return tuple(mint.zeros(p.local_shape, dtype=p.orig_dtype) for p in self.params)
+
+    def _add_partials_and_all_reduce(self, op: str) -> None:
+        """The backward with the all-reduce after ones without: reduce-scatter this backward in
+        the shard group, add the kept partials, then all-reduce the sums across the replicas
+        (in pool buckets), so every micro-step's gradient is averaged over the whole mesh."""
+        sharded, replicated = self._split(self.params)
+        totals = []
+        for group, result in ((sharded, self._reduce_group(sharded, op, across=False, all=False)),
+                              (replicated, self._reduce_group(replicated, op, across=False,
+                                                              all=True))):
+            if result is None:
+                continue
+            for index, param in enumerate(group):
+                shard = result.wait()[index]
+                if tuple(shard.shape) != param.local_shape:
+                    shard = shard.reshape(param.local_shape)
+                total = shard.astype(ms.float32)
+                if param.partial is not None:
+                    total = mint.add(total, param.partial)
+                totals.append((param, total))
+            result.release()
+        for param in self.params:
+            param.finish_reduce_input()
+        params = [p for p, _ in totals]
+        flat = [t.reshape(1) if t.ndim == 0 else t for _, t in totals]
+        _adopt(params, self.reducer.all_reduce_replicas(flat, op=op))
+        for param in params:
+            param.partial = None
+
+    def _reduce_group(self, group, op: str, across: bool, all: bool):
+        if not group:
+            return None
+        grads = [p.unsharded_grad for p in group]
+        if all:
+            return self.reducer.all_reduce(grads, op=op, across_replicas=across)
+        return self.reducer.reduce_scatter(grads, [p.shard_dim for p in group], op=op,
+                                           across_replicas=across)
+
+    def _scaled(self, reduced: ms.Tensor) -> ms.Tensor:
+        if self.gradient_scaling_factor == 1.0:
+            return reduced
+        return mint.mul(reduced, self.gradient_scaling_factor)     # out of place: a new tensor
+
+    def _end_of_backward(self) -> None:
+        if self.reshard_after_backward:
+            self.uninstall()            # what unshard() installed goes with the backward
+        if self.is_root and self.is_last_backward:
+            # the root's backward ends the step: nothing of it may still be in flight
+            self.reducer.pool.wait_all()
 
     def reduce(self, params: list[MindSporeHSDPParamV2], op: str) -> None:
         """The unit's one reduce path: hand the gradients of ``params`` (and, for the whole unit,
@@ -115,6 +232,10 @@ class HSDPUnitState:
         check_reduce_op(op)
         for param in params:
             param.clear_reduce_scatter_output()
+        if self.requires_all_reduce and any(p.partial is not None for p in params) \
+                and self._pending is None:
+            self._add_partials_and_all_reduce(op)
+            return
         sharded, replicated = self._split(params)
         if self._pending is not None and params == self.params:
             self._accumulate(params)
@@ -122,20 +243,24 @@ class HSDPUnitState:
             try:
                 if sharded:
                     _adopt(sharded, self.reducer.launch(sharded_buckets, op=op,
-                                                        count=len(sharded)))
+                                                        count=len(sharded),
+                                                        across_replicas=self.requires_all_reduce))
             except BaseException:
                 self.reducer.discard(replicated_buckets)   # the failed launch gave back its own
                 raise
             if replicated:
-                _adopt(replicated, self.reducer.launch(replicated_buckets, op=op,
-                                                       count=len(replicated), all_reduce=True))
+                _adopt(replicated, self.reducer.launch(
+                    replicated_buckets, op=op, count=len(replicated), all_reduce=True,
+                    across_replicas=self.requires_all_reduce))
             return
         if sharded:
             _adopt(sharded, self.reducer.reduce_scatter(
-                [p.unsharded_grad for p in sharded], [p.shard_dim for p in sharded], op=op))
+                [p.unsharded_grad for p in sharded], [p.shard_dim for p in sharded], op=op,
+                across_replicas=self.requires_all_reduce))
         if replicated:
             _adopt(replicated, self.reducer.all_reduce([p.unsharded_grad for p in replicated],
-                                                       op=op))
+                                                       op=op,
+                                                       across_replicas=self.requires_all_reduce))
 
     @staticmethod
     def _split(params):
@@ -191,6 +316,7 @@ class HSDPUnitState:
             self._pending = None
         for param in self.params:
             param.zero_grad()
+            param.partial = None
 
 
 def _adopt(params, result) -> None:
