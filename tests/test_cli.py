@@ -6,11 +6,13 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import yaml
 
+from gradpool.app import rank_report
 from gradpool.app.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from gradpool.app.config import load_config
 
@@ -100,8 +102,36 @@ def test_train_one_rank_in_process_with_reference(tmp_path, capsys):
     assert "summary: 2 steps" in out and "0 new allocations after step 1" in out
     abs_diff, rel_diff = map(float, REFERENCE_LINE.search(out).groups())
     assert rel_diff <= 1e-5 and abs_diff <= 1e-4
-    assert (tmp_path / "config.yaml").is_file() and (tmp_path / "final.rank0.json").is_file()
+    assert (tmp_path / "config.yaml").is_file()
+    report = rank_report.read_report(tmp_path, 0)          # the in-process rank's report
+    assert report is not None and report.results["outcome"]["status"] == "ok"
+    assert [step["step"] for step in report.results["steps"]] == [0, 1]
     assert load_config(tmp_path / "config.yaml").launch.ranks == 1
+
+
+def test_step_records_are_followed_live_from_rank_0s_report(tmp_path, monkeypatch):
+    from gradpool.app import job
+    from gradpool.app.train import StepRecord
+
+    monkeypatch.delenv(rank_report.ENV_DIR, raising=False)
+    seen = []
+    follower = job._RecordFollower(tmp_path, 0, seen.append)
+    follower.start()
+    try:
+        reporter = rank_report.Reporter(tmp_path, rank=0, world_size=2)
+        steps = []
+        for step in range(3):
+            steps.append(dict(step=step, loss=1.0, seconds=0.1, bytes_copied=8, copy_gbps=1.0,
+                              new_allocations=0, high_water_bytes=8, stall_seconds=0.0))
+            reporter.publish("steps", steps)
+            for _ in range(100):                     # seen while the "run" goes on
+                if len(seen) == step + 1:
+                    break
+                threading.Event().wait(0.05)
+            assert [r.step for r in seen] == list(range(step + 1))
+    finally:
+        follower.stop()
+    assert seen == [StepRecord(**s) for s in steps] == job.read_records(tmp_path, 0)
 
 
 # -- train, two ranks under msrun ------------------------------------------------------------

@@ -4,12 +4,14 @@ fails, for gradpool.launch's error path."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from gradpool.errors import LaunchError
-from gradpool.app.launch import run_ranks
+from gradpool.app import rank_report
+from gradpool.app.launch import pid_alive, run_ranks
 
 DIST_DIR = Path(__file__).parent / "distributed"
 sys.path.insert(0, str(DIST_DIR))
@@ -32,7 +34,13 @@ def test_launch_reports_every_rank_exit_code(comm_results):
     launch = comm_results.launch
     assert launch.exit_codes == (0,) * NPROC
     assert launch.ok and launch.returncode == 0
-    assert all("exit_code=0" in tail for tail in launch.log_tails)
+    # _rank_entry recorded each rank's start and exit in its report, under msrun's worker pid
+    for rank, result in enumerate(launch.ranks):
+        report = result.report
+        assert (report.rank, report.world_size, report.role) == (rank, NPROC, "MS_WORKER")
+        assert (report.status, report.exit_code) == (rank_report.EXITED, 0)
+        assert report.pid == result.pid and report.results["suite"] == SUITE.name
+    assert launch.ranks[0].pid != launch.ranks[1].pid
 
 
 @pytest.mark.parametrize("name", SUITE.names)
@@ -40,14 +48,22 @@ def test_case(comm_results, name):
     comm_results.verify(name)
 
 
-def test_failing_rank_raises_launch_error_with_its_log_tail(tmp_path):
+def test_failing_rank_raises_launch_error_within_seconds(tmp_path):
+    # Rank 1 exits 3 at once but its process lingers, rank 0 sleeps: msrun alone would wait
+    # 120 s for both. The launcher sees rank 1's report and stops everything a few seconds later.
+    start = time.monotonic()
     with pytest.raises(LaunchError) as info:
-        run_ranks(DIST_DIR / "fail_rank1.py", nproc=NPROC, log_dir=tmp_path, timeout=120)
+        run_ranks(DIST_DIR / "fail_rank1.py", nproc=NPROC, log_dir=tmp_path, timeout=300)
+    elapsed = time.monotonic() - start
     message = str(info.value)
     assert message.startswith("rank 1: exit code 3")
+    assert "after rank 1 failed" in message
     assert "rank-1-sentinel-4711: failing on purpose" in message      # rank 1's log tail
     assert "worker_1.log" in message
     result = info.value.result
-    assert result.exit_codes == (None, 3)      # rank 0 was killed by msrun, not exited
-    assert result.failed_ranks[0].rank == 1
-    assert result.seconds < 60                 # msrun killed rank 0's 60 s sleep
+    assert result.exit_codes == (None, 3)      # rank 0 was killed by the launcher, not exited
+    assert result.failed_ranks[0].rank == 1 and result.stopped_for == 1
+    assert result.seconds < 30 and elapsed < 30, (result.seconds, elapsed)
+    # nothing it started survives: rank 0's sleep and rank 1's lingering process are gone
+    pids = [r.pid for r in result.ranks]
+    assert None not in pids and not any(map(pid_alive, pids))

@@ -7,15 +7,15 @@ Usage::
     comparison = compare_with_reference(cfg, result.records)
 
 Files (in ``cfg.launch.log_dir``, or a new temporary directory): ``config.yaml`` (the resolved
-config every rank loads), ``steps.rank<R>.jsonl`` and ``final.rank<R>.json`` (written by
-:mod:`gradpool.app.rank_main`), and msrun's ``worker_<R>.log``, ``scheduler.log``, ``msrun.log``.
+config every rank loads), the rank reports ``rank<R>.report.json`` (:mod:`gradpool.app.rank_report`;
+:mod:`gradpool.app.rank_main` publishes its step records and outcome there), and msrun's
+``worker_<R>.log``, ``scheduler.log``, ``msrun.log``.
 
 ``launch.ranks == 1`` runs in this process (no msrun, no communication); more ranks run under
 msrun, one process per rank.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import tempfile
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from gradpool.app import rank_main
+from gradpool.app import rank_main, rank_report
 from gradpool.app.train import StepRecord, train_reference
 from gradpool.app.config import RunConfig, dump_yaml
 from gradpool.errors import GradPoolError, LaunchError
@@ -71,9 +71,7 @@ def prepare_log_dir(cfg: RunConfig) -> Path:
     log_dir = Path(cfg.launch.log_dir) if cfg.launch.log_dir else Path(
         tempfile.mkdtemp(prefix="gradpool-train-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    for pattern in ("steps.rank*.jsonl", "final.rank*.json"):
-        for stale in log_dir.glob(pattern):      # a reused log_dir must not show an old run
-            stale.unlink()
+    rank_report.remove_reports(log_dir)          # a reused log_dir must not show an old run
     (log_dir / "config.yaml").write_text(dump_yaml(cfg), encoding="utf-8")
     return log_dir
 
@@ -102,9 +100,9 @@ def run_job(cfg: RunConfig, on_step: Optional[StepCallback] = None,
     if failed:
         raise TrainJobError(_reason(failed), f"logs in {log_dir}")
     if outcomes[0] is None:
-        raise TrainJobError(f"rank 0 wrote no outcome ({rank_main.final_path(log_dir, 0)})",
+        raise TrainJobError(f"rank 0 wrote no outcome ({rank_report.report_path(log_dir, 0)})",
                             f"logs in {log_dir}")
-    return JobResult(records=read_records(rank_main.records_path(log_dir, 0)),
+    return JobResult(records=read_records(log_dir, 0),
                      outcome=outcomes[0], log_dir=log_dir, seconds=seconds)
 
 
@@ -112,7 +110,7 @@ def _run_under_msrun(cfg: RunConfig, log_dir: Path, on_step: Optional[StepCallba
                      timeout: float) -> None:
     from gradpool.app.launch import run_ranks
 
-    follower = _RecordFollower(rank_main.records_path(log_dir, 0), on_step) if on_step else None
+    follower = _RecordFollower(log_dir, 0, on_step) if on_step else None
     if follower is not None:
         follower.start()
     try:
@@ -138,22 +136,19 @@ def _reason(failed: list) -> str:
     return first.describe_error() + suffix
 
 
-def read_records(path: Path) -> list:
-    if not path.is_file():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    return [StepRecord(**json.loads(line)) for line in lines if line.strip()]
+def read_records(log_dir: Path, rank: int = 0) -> list:
+    """The :class:`StepRecord` s rank ``rank`` has published so far, in step order."""
+    report = rank_report.read_report(log_dir, rank)
+    steps = report.results.get(rank_main.STEPS, []) if report is not None else []
+    return [StepRecord(**step) for step in steps]
 
 
 def read_outcomes(log_dir: Path, ranks: int) -> list:
-    """Each rank's :class:`RankOutcome`, or None where the rank wrote none (it crashed)."""
+    """Each rank's :class:`RankOutcome`, or None where the rank published none (it crashed)."""
     out = []
-    for rank in range(ranks):
-        path = rank_main.final_path(log_dir, rank)
-        try:
-            out.append(rank_main.RankOutcome.from_dict(json.loads(path.read_text("utf-8"))))
-        except (OSError, ValueError, TypeError):
-            out.append(None)
+    for report in rank_report.read_reports(log_dir, ranks):
+        outcome = report.results.get(rank_main.OUTCOME) if report is not None else None
+        out.append(rank_main.RankOutcome.from_dict(outcome) if outcome is not None else None)
     return out
 
 
@@ -169,15 +164,15 @@ def compare_with_reference(cfg: RunConfig, records: list) -> ReferenceComparison
 
 
 class _RecordFollower:
-    """Calls ``callback`` for each complete JSON line appended to ``path``, from a thread."""
+    """Calls ``callback`` for each step record a rank publishes in its report, from a thread that
+    polls the report (it is rewritten whole, atomically, after every step)."""
 
     POLL_SECONDS = 0.2
 
-    def __init__(self, path: Path, callback: StepCallback):
-        self._path = path
+    def __init__(self, log_dir: Path, rank: int, callback: StepCallback):
+        self._log_dir, self._rank = log_dir, rank
         self._callback = callback
-        self._offset = 0
-        self._partial = ""
+        self._seen = 0
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="gradpool-record-follower",
                                         daemon=True)
@@ -192,19 +187,17 @@ class _RecordFollower:
     def _loop(self) -> None:
         while not self._stopped.wait(self.POLL_SECONDS):
             self._drain()
-        self._drain()      # whatever was written between the last poll and stop()
+        self._drain()      # whatever was published between the last poll and stop()
 
     def _drain(self) -> None:
         try:
-            with open(self._path, encoding="utf-8") as fh:
-                fh.seek(self._offset)
-                chunk = fh.read()
-                self._offset = fh.tell()
-        except OSError:
-            return         # not created yet
-        *lines, self._partial = (self._partial + chunk).split("\n")
-        for line in filter(str.strip, lines):
+            records = read_records(self._log_dir, self._rank)
+        except GradPoolError:
+            logger.exception("cannot read rank %d's report", self._rank)
+            return
+        for record in records[self._seen:]:
+            self._seen += 1
             try:
-                self._callback(StepRecord(**json.loads(line)))
+                self._callback(record)
             except Exception:  # noqa: BLE001 - a printing callback must not kill the run
-                logger.exception("step callback failed on %r", line)
+                logger.exception("step callback failed on %r", record)

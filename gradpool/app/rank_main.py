@@ -2,20 +2,21 @@
 
 msrun starts it (through ``gradpool.launch.run_ranks``) as ::
 
-    python -m gradpool._rank_entry .../gradpool/app/rank_main.py --config LOG_DIR/config.yaml \\
-        --out-dir LOG_DIR
+    python -m gradpool.app._rank_entry .../gradpool/app/rank_main.py \\
+        --config LOG_DIR/config.yaml --out-dir LOG_DIR
 
 (or ``python -m gradpool.app.rank_main ...``). The config is the launcher's resolved YAML, so every
-rank trains exactly what the launcher printed. Each rank writes into ``--out-dir``:
+rank trains exactly what the launcher printed. Each rank publishes into its rank report
+(:mod:`gradpool.app.rank_report`; the launcher's under msrun, else one in ``--out-dir``):
 
-* ``steps.rank<R>.jsonl``: one :class:`~gradpool.app.train.StepRecord` per line, flushed as each
-  step ends (the launcher follows rank 0's file to print steps while the run is going);
-* ``final.rank<R>.json``: a :class:`RankOutcome`: status, error (type and message) if the run
+* ``results["steps"]``: the :class:`~gradpool.app.train.StepRecord` dicts so far, republished as
+  each step ends (the launcher polls rank 0's report to print steps while the run is going);
+* ``results["outcome"]``: a :class:`RankOutcome`: status, error (type and message) if the run
   failed, the pool's final statistics and how many gradients were verified intact.
 
 A failure the run itself detects (a non-finite loss, a gradient the reduce path received that was
 changed or freed: :class:`~gradpool.errors.GradientIntegrityError`) or any other exception is
-recorded in the final file, printed to stderr (so it is in the rank's log tail) and turns into exit
+recorded in the outcome, printed to stderr (so it is in the rank's log tail) and turns into exit
 code 1. ``_rank_entry`` puts this file's directory first on ``sys.path``; nothing here has a
 stdlib name, so that is harmless.
 """
@@ -23,16 +24,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import sys
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import mindspore as ms
 
+from gradpool.app import rank_report
 from gradpool.app.train import NonFiniteLossError, build_sharded_model, train_sharded
 from gradpool.comm import init_distributed
 from gradpool.app.config import RunConfig, load_config
@@ -42,19 +42,12 @@ from gradpool.runtime import runtime_for
 logger = logging.getLogger(__name__)
 
 STATUS_OK, STATUS_FAILED = "ok", "failed"
-
-
-def records_path(out_dir, rank: int) -> Path:
-    return Path(out_dir) / f"steps.rank{rank}.jsonl"
-
-
-def final_path(out_dir, rank: int) -> Path:
-    return Path(out_dir) / f"final.rank{rank}.json"
+STEPS, OUTCOME = "steps", "outcome"      # the keys of this program's rank report results
 
 
 @dataclass
 class RankOutcome:
-    """How one rank's training ended (the content of ``final.rank<R>.json``)."""
+    """How one rank's training ended (``results["outcome"]`` of its rank report)."""
 
     rank: int
     world_size: int
@@ -73,22 +66,22 @@ class RankOutcome:
     def describe_error(self) -> str:
         return f"rank {self.rank}: {self.error_type}: {self.error_message}"
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2)
-
     @classmethod
     def from_dict(cls, data: dict) -> "RankOutcome":
         return cls(**data)
 
 
 def run_rank(cfg: RunConfig, out_dir, on_step: Optional[Callable] = None) -> RankOutcome:
-    """Train this process's rank (MindSpore's device must be set already) and write its files.
+    """Train this process's rank (MindSpore's device must be set already), publishing its steps
+    and outcome in its rank report.
 
-    Never raises for a training failure: the returned outcome (also written to
-    ``final.rank<R>.json``) says what went wrong."""
+    Never raises for a training failure: the returned outcome (also published) says what went
+    wrong."""
     rank, world = init_distributed()
+    reporter = rank_report.reporter_for(out_dir, rank, world)
     outcome = RankOutcome(rank=rank, world_size=world,
                           verify_gradients=cfg.gradpool.verify_gradients)
+    steps: list = []
     model = runtime = None
     try:
         if world != cfg.launch.ranks:
@@ -97,14 +90,15 @@ def run_rank(cfg: RunConfig, out_dir, on_step: Optional[Callable] = None) -> Ran
                 "start exactly launch.ranks processes")
         model = build_sharded_model(cfg)
         runtime = runtime_for(cfg.gradpool)
-        with open(records_path(out_dir, rank), "w", encoding="utf-8") as records:
-            def write(record) -> None:
-                records.write(json.dumps(dataclasses.asdict(record)) + "\n")
-                records.flush()
-                outcome.steps = record.step + 1
-                if on_step is not None:
-                    on_step(record)
-            train_sharded(cfg, model, runtime.comm, runtime.pool, on_step=write)
+        reporter.publish(STEPS, steps)
+
+        def write(record) -> None:
+            steps.append(dataclasses.asdict(record))
+            reporter.publish(STEPS, steps)
+            outcome.steps = record.step + 1
+            if on_step is not None:
+                on_step(record)
+        train_sharded(cfg, model, runtime.comm, runtime.pool, on_step=write)
     except Exception as exc:  # noqa: BLE001 - the process boundary: record, then report
         outcome.status = STATUS_FAILED
         outcome.error_type = type(exc).__name__
@@ -118,7 +112,7 @@ def run_rank(cfg: RunConfig, out_dir, on_step: Optional[Callable] = None) -> Ran
         outcome.verified_gradients = sum(
             getattr(getattr(p, "hsdp_param", None), "verified_gradients", 0)
             for p in model.trainable_params())
-    final_path(out_dir, rank).write_text(outcome.to_json(), encoding="utf-8")
+    reporter.publish(OUTCOME, dataclasses.asdict(outcome))
     return outcome
 
 

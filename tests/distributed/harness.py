@@ -1,4 +1,4 @@
-"""Many named cases per msrun launch: run them on every rank, write JSON, check them in pytest.
+"""Many named cases per msrun launch: run them on every rank, report them, check them in pytest.
 
 A launch costs ~14 s, so a distributed test module launches once and parametrizes over the
 cases. Each case runs on every rank, in the same order; one that raises is recorded as an error
@@ -25,16 +25,20 @@ Pytest side::
     results.verify("some_case")                              # one test per name
 
 A case returns a dict of named checks (``allclose``, ``equal``, ``raises``), computed with NumPy
-on the rank; :meth:`SuiteResults.verify` asserts them all, on every rank.
+on the rank; :meth:`SuiteResults.verify` asserts them all, on every rank (a case with no checks
+fails: it proved nothing).
+
+Each rank publishes ``{"suite": NAME, "cases": {...}}`` as the results of its rank report
+(:mod:`gradpool.app.rank_report`) after every case, so partial results survive a crash. Under
+msrun that is the launcher's report of the rank (``launch_suite`` puts it in OUT_DIR); in-process
+(world size 1) a report of rank 0 in OUT_DIR.
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -66,16 +70,18 @@ def dtype_name(dtype) -> str:
     return str(dtype).lower()
 
 
-def allclose(actual, expected, dtype=None, rtol=None, atol=None) -> dict:
+def allclose(actual, expected, dtype=None, rtol=None, atol=None, allow_empty=False) -> dict:
     """``actual`` (tensor or array) equals ``expected`` within the tolerance of ``dtype``
-    (or the ``rtol``/``atol`` given)."""
+    (or the ``rtol``/``atol`` given). An empty ``actual`` compares nothing, so it fails unless
+    ``expected`` is empty too and the caller says that is the point (``allow_empty``)."""
     actual = to_numpy(actual) if not isinstance(actual, np.ndarray) else actual.astype(np.float64)
     expected = np.asarray(expected, dtype=np.float64)
     name = dtype_name(dtype) if dtype is not None else "float64"
     rtol = TOLERANCE[name][0] if rtol is None else rtol
     atol = TOLERANCE[name][1] if atol is None else atol
     check = {"kind": "allclose", "dtype": name, "rtol": rtol, "atol": atol,
-             "shape": list(actual.shape), "expected_shape": list(expected.shape)}
+             "shape": list(actual.shape), "expected_shape": list(expected.shape),
+             "empty": actual.size == 0, "allow_empty": bool(allow_empty and expected.size == 0)}
     if actual.shape == expected.shape:
         bad = ~np.isclose(actual, expected, rtol=rtol, atol=atol)
         check["mismatches"] = int(bad.sum())
@@ -126,21 +132,22 @@ class Suite:
         self.case(fn)
 
     def main(self, argv: Optional[list[str]] = None) -> None:
-        """Entry point on each rank: ``OUT_DIR [CASE ...]``; writes ``<suite>_rank<r>.json``."""
+        """Entry point on each rank: ``OUT_DIR [CASE ...]``; publishes into the rank's report."""
         argv = sys.argv[1:] if argv is None else argv
         out_dir, only = Path(argv[0]), set(argv[1:])
-        # First thing: in msrun's scheduler process this call serves the cluster and never returns.
+        from gradpool.app import rank_report
         from gradpool.comm import communicator_for, init_distributed
+        # First thing: in msrun's scheduler process this call serves the cluster and never returns.
         rank, world = init_distributed()
         ctx = Context(rank=rank, world_size=world, comm=communicator_for())
-        report = {"suite": self.name, "rank": rank, "world_size": world,
-                  "pid": os.getpid(), "cases": {}}
+        reporter = rank_report.reporter_for(out_dir, rank, world)
+        reporter.publish("suite", self.name)
+        reporter.publish("cases", {})
         for name, fn in self.cases.items():
             if only and name not in only:
                 continue
-            report["cases"][name] = _run_case(fn, ctx)
-            _write_json(out_dir / f"{self.name}_rank{rank}.json", report)   # partial results survive
-        _write_json(out_dir / f"{self.name}_rank{rank}.json", report)
+            # after every case: partial results survive a crash
+            reporter.publish_entry("cases", name, _run_case(fn, ctx))
 
 
 def _run_case(fn: Callable[[Context], dict], ctx: Context) -> dict:
@@ -155,18 +162,11 @@ def _run_case(fn: Callable[[Context], dict], ctx: Context) -> dict:
     return record
 
 
-def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
-
-
 # -- checking (pytest side) ----------------------------------------------------------------------
 @dataclass
 class SuiteResults:
     suite: str
-    reports: list[dict]          # one per rank, in rank order
+    reports: list[dict]          # one per rank, in rank order: rank, world_size, pid, cases, ...
     launch: Any = None           # the gradpool.launch.LaunchResult
 
     def verify(self, name: str) -> None:
@@ -176,6 +176,8 @@ class SuiteResults:
             assert record is not None, f"{where}: not run (no result recorded)"
             assert record["status"] == "ok", \
                 f"{where} raised {record['error_type']}: {record['message']}\n{record['traceback']}"
+            assert isinstance(record["checks"], dict) and record["checks"], \
+                f"{where}: case {name!r} returned no checks ({record['checks']!r})"
             for check_name, check in record["checks"].items():
                 _verify_check(f"{where}, check {check_name!r}", check)
 
@@ -184,11 +186,15 @@ class SuiteResults:
 
 
 def load_results(out_dir, suite: str, nproc: int, launch=None) -> SuiteResults:
+    """The rank reports in ``out_dir`` of a run of ``suite``, one per rank."""
+    from gradpool.app import rank_report
     reports = []
-    for rank in range(nproc):
-        path = Path(out_dir) / f"{suite}_rank{rank}.json"
-        assert path.is_file(), f"rank {rank} wrote no results ({path} is missing)"
-        reports.append(json.loads(path.read_text()))
+    for rank, report in enumerate(rank_report.read_reports(out_dir, nproc)):
+        path = rank_report.report_path(out_dir, rank)
+        assert report is not None, f"rank {rank} wrote no results ({path} is missing)"
+        assert report.results.get("suite") == suite, \
+            f"{path} holds results of suite {report.results.get('suite')!r}, not {suite!r}"
+        reports.append({**asdict(report), "cases": report.results.get("cases", {})})
     return SuiteResults(suite=suite, reports=reports, launch=launch)
 
 
@@ -197,7 +203,7 @@ def launch_suite(script, suite: str, out_dir, nproc: int = 2,
     """One msrun launch of a cases script; its results, ready to verify per case."""
     from gradpool.app.launch import run_ranks
     launch = run_ranks(script, args=[str(out_dir)], nproc=nproc,
-                       log_dir=Path(out_dir) / "logs", timeout=timeout)
+                       log_dir=Path(out_dir) / "logs", timeout=timeout, report_dir=out_dir)
     return load_results(out_dir, suite, nproc, launch)
 
 
@@ -209,6 +215,7 @@ def load_suite(script) -> Suite:
         sys.path.insert(0, str(script.parent))     # the script imports ``harness``
     spec = importlib.util.spec_from_file_location(f"_cases_{script.stem}", script)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module     # dataclasses defined in the script look their module up
     spec.loader.exec_module(module)
     return module.suite
 
@@ -218,6 +225,8 @@ def _verify_check(where: str, check: dict) -> None:
     if kind == "allclose":
         assert check["shape"] == check["expected_shape"], \
             f"{where}: shape {check['shape']}, expected {check['expected_shape']}"
+        assert not check["empty"] or check["allow_empty"], \
+            f"{where}: actual is empty (shape {check['shape']}): nothing was compared"
         if "actual" in check:
             np.testing.assert_allclose(check["actual"], check["expected"], rtol=check["rtol"],
                                        atol=check["atol"], err_msg=where)
