@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from gradpool.app.config import RunConfig, dump_yaml, load_config
+from gradpool.device import SUPPORTED_DEVICES
 from gradpool.errors import ConfigError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -73,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     check.set_defaults(command=_check_config)
 
     bench = command("bench", help="copy-overhead and reduce-step benchmarks, then report")
-    bench.add_argument("--device", default="CPU", choices=("CPU", "Ascend"))
+    bench.add_argument("--device", default="CPU", choices=SUPPORTED_DEVICES)
     bench.add_argument("--nproc", type=int, default=2, help="ranks of the reduce-step suite")
     bench.add_argument("--out", default="bench-results.json", help="results JSON")
     bench.add_argument("--quick", action="store_true", help="small sweep (smoke run)")

@@ -23,11 +23,12 @@ from mindspore import mint, nn
 
 from gradpool.app.model import TinyDeepSeekV3, make_batch_np, next_token_loss
 from gradpool.app.config import RunConfig
+from gradpool.dtypes import DTYPE_NAMES, dtype_named
 from gradpool.errors import GradPoolError
 from gradpool.pool import PoolStats
 
 logger = logging.getLogger(__name__)
-DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16, None: None}
+DTYPES = {**{name: dtype_named(name) for name in DTYPE_NAMES}, None: None}
 
 
 @dataclass

@@ -21,7 +21,7 @@ import mindspore as ms
 from mindspore import mint
 from mindspore.common._grad_function import _Function
 
-from gradpool import GradReducer, PackedBucket, check_reduce_op
+from gradpool import SUPPORTED_DTYPES, GradReducer, PackedBucket, check_reduce_op
 from hyper_parallel.platform.mindspore.fully_shard.param import (MindSporeHSDPParamV2,
                                                                   all_gather_params)
 
@@ -325,7 +325,7 @@ def _adopt(params, result) -> None:
 
 
 def _cast_floating(value, dtype):
-    if isinstance(value, ms.Tensor) and value.dtype in (ms.float32, ms.float16, ms.bfloat16) \
+    if isinstance(value, ms.Tensor) and value.dtype in SUPPORTED_DTYPES \
             and value.dtype != dtype:
         return value.astype(dtype)
     return value
