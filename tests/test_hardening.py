@@ -249,6 +249,7 @@ def test_a_monitoring_thread_while_the_main_thread_reduces():
                 pool.trim()
             except Exception as exc:  # noqa: BLE001 - collected, asserted below
                 errors.append(exc)
+            time.sleep(0.0002)      # a monitor polls; it does not spin on the GIL
 
     thread = threading.Thread(target=monitor)
     thread.start()
