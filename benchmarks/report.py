@@ -1,5 +1,12 @@
-"""Turns benchmark medians into the ratios the project reports (shared by conftest and the runner),
-and the runner's JSON into a Markdown report with a chart (``python -m benchmarks report``)."""
+"""Turns benchmark timings into the ratios the project reports (shared by conftest and the runner),
+the runner's JSON into a Markdown report with a chart (``python -m benchmarks report``), and two
+result files into a per-case change list (``python -m benchmarks compare``).
+
+One ratio direction everywhere (tables, chart, README): **speed relative to a reference =
+reference time / pool time**. Higher is better; 1 is parity. Each ratio comes with a range from
+the spread of both sides, ``[reference q1 / pool q3, reference q3 / pool q1]`` (the interquartile
+ranges), so a reader sees how much of a ratio is noise.
+"""
 from __future__ import annotations
 
 import argparse
@@ -11,68 +18,100 @@ from typing import Optional
 from benchmarks.cases import MIB, SMALL_COUNT, SMALL_NUMEL
 
 Key = tuple  # (method, grad_dtype, bucket_dtype, nbytes, count)
+REFERENCES = {"memcpy": "NumPy memcpy of the bytes the pack writes",
+              "fresh_alloc": "upstream-style fresh allocation + copy",
+              "zero_copy": "zero-copy borrow (same dtype only)"}
+RATIO_FROM_BYTES = MIB       # bandwidth ratios are quoted from 1 MiB up (below: dispatch-bound)
+FIXED_COST_BYTES = 4096      # the single-gradient pack whose time is the per-call fixed cost
 
 
-def _size(nbytes: int) -> str:
-    return f"{nbytes / MIB:g} MiB" if nbytes >= MIB else f"{nbytes / 1024:g} KiB"
+def size_label(nbytes: int) -> str:
+    """4 KiB, 1 MiB, 256 MiB."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", MIB), ("KiB", 1024)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
 
 
-def copy_rows(medians: dict) -> list[dict]:
-    """One row per (dtype pair, size, count) with each method's time and the pool's ratios."""
+def time_label(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "-"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds * 1e9:.3g} ns"
+
+
+def timing_of(row: dict) -> dict:
+    """The timing fields of a result row (schema 1 files have no quartiles: median stands in)."""
+    median = row["median_s"]
+    return {"median_s": median, "q1_s": row.get("q1_s", median), "q3_s": row.get("q3_s", median),
+            "iqr_s": row.get("iqr_s"), "min_s": row.get("min_s"), "max_s": row.get("max_s"),
+            "stddev_s": row.get("stddev_s"), "rounds": row.get("rounds", row.get("repeats"))}
+
+
+def speed_ratio(reference: dict, pool: dict, per_reference: float = 1.0,
+                per_pool: float = 1.0) -> dict:
+    """Reference time / pool time (each divided by its ``per_*`` count), with the IQR range."""
+    ref = {k: reference[k] / per_reference for k in ("median_s", "q1_s", "q3_s")}
+    mine = {k: pool[k] / per_pool for k in ("median_s", "q1_s", "q3_s")}
+    return {"median": ref["median_s"] / mine["median_s"],
+            "low": ref["q1_s"] / mine["q3_s"], "high": ref["q3_s"] / mine["q1_s"]}
+
+
+def copy_rows(timings: dict) -> list[dict]:
+    """One row per (dtype pair, size, count): each method's timing and the pool's speed ratios.
+
+    ``timings`` maps ``(method, grad_dtype, bucket_dtype, nbytes, count)`` to a timing dict
+    (:func:`timing_of`); the small-op reference is ``("small_op", None, None, None, count)``."""
     rows = []
-    groups = sorted({k[1:] for k in medians if k[0] == "pool"}, key=lambda g: (g[3], g[0], g[1], g[2]))
-    small_op = medians.get(("small_op", None, None, None, SMALL_COUNT))
+    groups = sorted({k[1:] for k in timings if k[0] == "pool"},
+                    key=lambda g: (g[3], g[0], g[1], g[2]))
+    small_op = timings.get(("small_op", None, None, None, SMALL_COUNT))
     for grad_dtype, bucket_dtype, nbytes, count in groups:
-        times = {m: medians.get((m, grad_dtype, bucket_dtype, nbytes, count))
-                 for m in ("pool", "zero_copy", "fresh_alloc", "memcpy")}
+        times = {m: timings.get((m, grad_dtype, bucket_dtype, nbytes, count))
+                 for m in ("pool", *REFERENCES)}
         pool = times["pool"]
-        row = dict(grad_dtype=grad_dtype, bucket_dtype=bucket_dtype, nbytes=nbytes, count=count,
-                   seconds=times, pool_gbps=nbytes / pool / 1e9)
-        if times["memcpy"]:
-            row["pool_vs_memcpy_bandwidth"] = times["memcpy"] / pool
-        if times["fresh_alloc"]:
-            row["pool_vs_fresh_alloc_time"] = pool / times["fresh_alloc"]
-        if times["zero_copy"]:
-            row["pool_vs_zero_copy_time"] = pool / times["zero_copy"]
+        ratios = {f"speed_vs_{m}": speed_ratio(times[m], pool) for m in REFERENCES if times[m]}
         if count > 1 and small_op:
-            row["per_gradient_op_units"] = (pool / count) / (small_op / SMALL_COUNT)
-        rows.append(row)
+            # One small op per gradient is what a per-parameter loop of ops would pay.
+            ratios["speed_vs_small_op"] = speed_ratio(small_op, pool, SMALL_COUNT, count)
+        rows.append(dict(grad_dtype=grad_dtype, bucket_dtype=bucket_dtype, nbytes=nbytes,
+                         count=count, timings=times, pool_gbps=nbytes / pool["median_s"] / 1e9,
+                         ratios=ratios))
     return rows
 
 
-def copy_ratios(medians: dict) -> list[str]:
+def copy_ratios(timings: dict) -> list[str]:
+    """One line per copy row (what ``benchmarks/conftest.py`` prints after a pytest run)."""
     lines = []
-    for row in copy_rows(medians):
+    for row in copy_rows(timings):
         what = f"{row['count']} x " if row["count"] > 1 else ""
-        text = (f"pool {row['grad_dtype']}->{row['bucket_dtype']} {what}{_size(row['nbytes'])}: "
-                f"{row['pool_gbps']:.2f} GB/s")
-        if "pool_vs_memcpy_bandwidth" in row:
-            text += f", {row['pool_vs_memcpy_bandwidth']:.2f} x memcpy bandwidth"
-        if "pool_vs_fresh_alloc_time" in row:
-            text += f", {row['pool_vs_fresh_alloc_time']:.2f} x fresh-alloc time"
-        if "per_gradient_op_units" in row:
-            text += f", {row['per_gradient_op_units']:.2f} small ops per gradient"
+        pool = row["timings"]["pool"]
+        text = (f"pool {row['grad_dtype']}->{row['bucket_dtype']} {what}"
+                f"{size_label(row['nbytes'])}: {time_label(pool['median_s'])} "
+                f"(IQR {time_label(pool['iqr_s'])}), {row['pool_gbps']:.2f} GB/s; speed vs")
+        text += ", ".join(f" {name[len('speed_vs_'):]} {r['median']:.3g}"
+                          for name, r in row["ratios"].items())
         lines.append(text)
     return lines
 
 
 # -- the runner's JSON: summary, Markdown, chart -------------------------------------------------
-RATIO_FROM_BYTES = MIB       # bandwidth ratios are quoted from 1 MiB up (below: dispatch-bound)
-
-
-def copy_medians(results: dict) -> dict:
-    """The runner's copy rows as the ``{Key: median seconds}`` dict :func:`copy_rows` takes."""
+def copy_timings(results: dict) -> dict:
+    """The runner's copy rows as the ``{Key: timing}`` dict :func:`copy_rows` takes."""
     copy = results.get("copy") or {}
-    medians = {(c["method"], c["grad_dtype"], c["bucket_dtype"], c["nbytes"], c["count"]):
-               c["median_s"] for c in copy.get("cases", [])}
+    timings = {(c["method"], c["grad_dtype"], c["bucket_dtype"], c["nbytes"], c["count"]):
+               timing_of(c) for c in copy.get("cases", [])}
     small = copy.get("small_op")
     if small:
-        medians[("small_op", None, None, None, small["count"])] = small["median_s"]
-    return medians
+        timings[("small_op", None, None, None, small["count"])] = timing_of(small)
+    return timings
 
 
 def reduce_ratios(reduce_rows: list) -> list[dict]:
-    """Pool / zero-copy step time per (world size, comm_fusion)."""
+    """Pool speed relative to zero-copy (zero-copy step time / pool step time) per (world size,
+    comm_fusion)."""
     by_key = {(r["world_size"], r["comm_fusion"], r["method"]): r for r in reduce_rows}
     out = []
     for world, fusion in sorted({(r["world_size"], r["comm_fusion"]) for r in reduce_rows}):
@@ -80,26 +119,31 @@ def reduce_ratios(reduce_rows: list) -> list[dict]:
         if pool and zero:
             out.append({"world_size": world, "comm_fusion": fusion,
                         "pool_s": pool["median_s"], "zero_copy_s": zero["median_s"],
-                        "pool_vs_zero_copy_time": pool["median_s"] / zero["median_s"]})
+                        "speed_vs_zero_copy": speed_ratio(timing_of(zero), timing_of(pool))})
     return out
 
 
 def summarize(results: dict) -> dict:
-    """The derived numbers: copy ratios per row, pool/memcpy bandwidth from 1 MiB up per dtype
-    pair, per-gradient cost of the fused small-gradient pack, reduce-step ratios."""
-    rows = copy_rows(copy_medians(results))
+    """The derived numbers: copy rows with their ratios, speed relative to memcpy from 1 MiB up
+    per dtype pair, the 4 KiB pack's fixed cost, the fused small-gradient pack per gradient, and
+    the reduce-step ratios."""
+    rows = copy_rows(copy_timings(results))
     pairs: dict = {}
     for row in rows:
-        pair = f"{row['grad_dtype']}->{row['bucket_dtype']}"
-        entry = pairs.setdefault(pair, {})
+        entry = pairs.setdefault(f"{row['grad_dtype']}->{row['bucket_dtype']}", {})
+        pool = row["timings"]["pool"]
         if row["count"] == 1 and row["nbytes"] >= RATIO_FROM_BYTES \
-                and "pool_vs_memcpy_bandwidth" in row:
-            entry.setdefault("pool_vs_memcpy_bandwidth_from_1MiB", {})[
-                _size(row["nbytes"])] = row["pool_vs_memcpy_bandwidth"]
-        if "per_gradient_op_units" in row:
+                and "speed_vs_memcpy" in row["ratios"]:
+            entry.setdefault("speed_vs_memcpy_from_1MiB", {})[size_label(row["nbytes"])] = \
+                row["ratios"]["speed_vs_memcpy"]["median"]
+        if row["count"] == 1 and row["nbytes"] == FIXED_COST_BYTES:
+            entry["pack_4KiB_us"] = {k[:-2]: pool[k] * 1e6 for k in
+                                     ("median_s", "q1_s", "q3_s", "min_s", "max_s")
+                                     if pool.get(k) is not None}
+        if "speed_vs_small_op" in row["ratios"]:
             entry["fused_pack_gradients"] = row["count"]
-            entry["fused_pack_per_gradient_us"] = row["seconds"]["pool"] / row["count"] * 1e6
-            entry["fused_pack_per_gradient_op_units"] = row["per_gradient_op_units"]
+            entry["fused_pack_per_gradient_us"] = pool["median_s"] / row["count"] * 1e6
+            entry["fused_pack_speed_vs_small_op"] = row["ratios"]["speed_vs_small_op"]["median"]
     reduce_rows = results.get("reduce") or []
     return {"copy_rows": rows, "copy_by_pair": pairs,
             "reduce_ratios": reduce_ratios(reduce_rows),
@@ -111,22 +155,53 @@ def _fmt(value, spec: str = ".2f", empty: str = "-") -> str:
     return empty if value is None else format(value, spec)
 
 
+def _ratio(r: Optional[dict]) -> str:
+    if r is None:
+        return "-"
+    return f"{r['median']:.3g} [{r['low']:.3g}, {r['high']:.3g}]"
+
+
+def _spread(t: Optional[dict]) -> str:
+    """``median (IQR x) [min - max], n`` of one timing."""
+    if t is None:
+        return "-"
+    text = f"{time_label(t['median_s'])} (IQR {time_label(t['iqr_s'])})"
+    if t.get("min_s") is not None:
+        text += f" [{time_label(t['min_s'])} - {time_label(t['max_s'])}]"
+    return text
+
+
 def markdown(results: dict, chart_name: Optional[str] = None) -> str:
     summary = results.get("summary") or summarize(results)
     m, opts = results["machine"], results["options"]
+    commit = m.get("git_commit")
+    commit_text = "unknown" if not commit else commit[:12] + (" (with uncommitted changes)"
+                                                              if m.get("git_dirty") else "")
     lines = ["# gradpool benchmark results", "",
              f"- Command: `{results['command']}`",
-             f"- Date (UTC): {results['created']}",
+             f"- Date (UTC): {results['created']}; git commit {commit_text}",
              f"- Machine: {m['cpu_model']}, {m['cores']} cores, {m['platform']}",
-             f"- Software: Python {m['python']}, MindSpore {m['mindspore']}, NumPy {m['numpy']}",
+             f"- Software: Python {m['python']}, MindSpore {m['mindspore']}, NumPy {m['numpy']}, "
+             f"ml-dtypes {m.get('ml_dtypes', '?')}, pytest-benchmark "
+             f"{m.get('pytest_benchmark', '?')}",
              f"- Device: {m['device']}; sweep: {'quick' if opts['quick'] else 'full'}; "
              f"ranks for the distributed reduce suite: {opts['nproc']}",
-             "- Timing: warm-up, then the median of repeated runs (copy cases: repeats fitted to "
+             "- Timing: warm-up, then repeated timed rounds (copy cases: rounds fitted to "
              f"~{opts['copy_budget']['seconds']:g} s per case, "
              f"{opts['copy_budget']['min_repeats']}-{opts['copy_budget']['max_repeats']}; "
-             f"reduce steps: {opts['reduce_warmup']} warm-up + {opts['reduce_repeats']} timed)", ""]
-    lines += _copy_section(summary, chart_name) + _small_section(summary) + \
-        _reduce_section(results, summary)
+             f"reduce steps: {opts['reduce_warmup']} warm-up + {opts['reduce_repeats']} timed). "
+             "The methods of one copy case (pool, memcpy, zero-copy, fresh alloc) are timed "
+             "interleaved, one call of each per round, so a ratio compares calls made under the "
+             "same machine load. Times are `median (IQR) [min - max]`; statistics by "
+             "pytest-benchmark.",
+             "- Ratios: **speed relative to a reference = reference time / pool time; higher is "
+             "better, 1 = parity**, with `[low, high]` from the interquartile ranges "
+             "(reference q1 / pool q3, reference q3 / pool q1).",
+             "- Every case was checked after timing: one untimed run on new random data, "
+             "compared with NumPy (packs byte for byte, reduced shards against NumPy's average).",
+             ""]
+    lines += _copy_section(summary, chart_name) + _fixed_cost_section(summary) + \
+        _small_section(summary) + _reduce_section(results, summary)
     return "\n".join(lines) + "\n"
 
 
@@ -134,42 +209,63 @@ def _copy_section(summary: dict, chart_name: Optional[str]) -> list[str]:
     rows = [r for r in summary["copy_rows"] if r["count"] == 1]
     if not rows:
         return []
-    out = ["## Copy-in of one gradient: pool against memcpy, zero-copy and a fresh allocation", "",
-           "Pool: pack into a leased pool bucket (cast if the dtypes differ). memcpy: NumPy copy "
-           "of the same bytes. Zero-copy: the collective reads the gradient in place (same dtype "
-           "only). Fresh alloc: upstream style, a new buffer each step, copied into.", "",
-           "| gradient -> bucket | size | pool GB/s | memcpy GB/s | pool / memcpy bandwidth "
-           "| pool / zero-copy time | pool / fresh-alloc time |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    out = ["## Copy-in of one gradient", "",
+           "Pool: acquire a pool bucket, pack the gradient into it (cast if the dtypes differ), "
+           "release. References: " + "; ".join(f"{k}: {v}" for k, v in REFERENCES.items()) +
+           ". The memcpy copies the bytes the pack writes (half the gradient's bytes for "
+           "float32 -> bfloat16, twice for bfloat16 -> float32).", "",
+           "| gradient -> bucket | size | rounds | pool time | pool GB/s (gradient bytes) "
+           "| memcpy time | speed vs memcpy | speed vs zero-copy | speed vs fresh alloc |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in sorted(rows, key=lambda r: (r["grad_dtype"], r["bucket_dtype"], r["nbytes"])):
-        memcpy = r["seconds"].get("memcpy")
-        out.append(f"| {r['grad_dtype']} -> {r['bucket_dtype']} | {_size(r['nbytes'])} "
-                   f"| {r['pool_gbps']:.3g} "
-                   f"| {_fmt(r['nbytes'] / memcpy / 1e9 if memcpy else None, '.3g')} "
-                   f"| {_fmt(r.get('pool_vs_memcpy_bandwidth'), '.3g')} "
-                   f"| {_fmt(r.get('pool_vs_zero_copy_time'), '.3g')} "
-                   f"| {_fmt(r.get('pool_vs_fresh_alloc_time'), '.3g')} |")
+        ratios, times = r["ratios"], r["timings"]
+        out.append(f"| {r['grad_dtype']} -> {r['bucket_dtype']} | {size_label(r['nbytes'])} "
+                   f"| {_fmt(times['pool']['rounds'], 'd')} | {_spread(times['pool'])} "
+                   f"| {r['pool_gbps']:.3g} | {_spread(times['memcpy'])} "
+                   f"| {_ratio(ratios.get('speed_vs_memcpy'))} "
+                   f"| {_ratio(ratios.get('speed_vs_zero_copy'))} "
+                   f"| {_ratio(ratios.get('speed_vs_fresh_alloc'))} |")
     out.append("")
     if chart_name:
-        out += [f"![copy overhead against gradient size]({chart_name})", ""]
+        out += [f"![copy-in speed relative to memcpy and to a fresh allocation, by gradient "
+                f"size (higher is better)]({chart_name})", ""]
     return out
 
 
-def _small_section(summary: dict) -> list[str]:
-    pairs = {p: e for p, e in summary["copy_by_pair"].items() if "fused_pack_gradients" in e}
+def _fixed_cost_section(summary: dict) -> list[str]:
+    pairs = {p: e["pack_4KiB_us"] for p, e in summary["copy_by_pair"].items()
+             if "pack_4KiB_us" in e}
     if not pairs:
         return []
+    out = ["## Fixed cost per call", "",
+           f"One {size_label(FIXED_COST_BYTES)} gradient: acquire, pack, release (the whole "
+           "per-call cost of a small copy-in).", "",
+           "| gradient -> bucket | median (us) | q1 - q3 (us) | min (us) | max (us) |",
+           "| --- | ---: | ---: | ---: | ---: |"]
+    for pair, t in sorted(pairs.items()):
+        out.append(f"| {pair.replace('->', ' -> ')} | {t['median']:.1f} "
+                   f"| {t['q1']:.1f} - {t['q3']:.1f} | {_fmt(t.get('min'), '.1f')} "
+                   f"| {_fmt(t.get('max'), '.1f')} |")
+    return out + [""]
+
+
+def _small_section(summary: dict) -> list[str]:
+    rows = [r for r in summary["copy_rows"] if "speed_vs_small_op" in r["ratios"]]
+    if not rows:
+        return []
     out = ["## Many small gradients in one fused bucket", "",
-           f"Cost per gradient of packing {SMALL_COUNT} gradients of {SMALL_NUMEL} elements into "
-           f"one bucket, in units of one small MindSpore op (a {SMALL_NUMEL}-element add): what a "
-           "per-parameter Python loop of ops would pay is about 1 unit per gradient.", "",
-           "| gradient -> bucket | gradients | pool per gradient (us) "
-           "| small-op units per gradient |",
-           "| --- | ---: | ---: | ---: |"]
-    for pair, e in sorted(pairs.items()):
-        out.append(f"| {pair.replace('->', ' -> ')} | {e['fused_pack_gradients']} "
-                   f"| {e['fused_pack_per_gradient_us']:.2f} "
-                   f"| {e['fused_pack_per_gradient_op_units']:.3f} |")
+           f"Packing {SMALL_COUNT} gradients of {SMALL_NUMEL} elements into one bucket, against "
+           f"one small MindSpore op per gradient (a {SMALL_NUMEL}-element add: what a "
+           "per-parameter Python loop of ops pays). Speed vs small op = small-op time / pool "
+           "time per gradient; at least 1 means at most one small op's cost per gradient.", "",
+           "| gradient -> bucket | gradients | pool time (all) | pool per gradient (us) "
+           "| speed vs one small op per gradient |",
+           "| --- | ---: | ---: | ---: | ---: |"]
+    for r in sorted(rows, key=lambda r: (r["grad_dtype"], r["bucket_dtype"])):
+        pool = r["timings"]["pool"]
+        out.append(f"| {r['grad_dtype']} -> {r['bucket_dtype']} | {r['count']} "
+                   f"| {_spread(pool)} | {pool['median_s'] / r['count'] * 1e6:.2f} "
+                   f"| {_ratio(r['ratios']['speed_vs_small_op'])} |")
     return out + [""]
 
 
@@ -184,39 +280,85 @@ def _reduce_section(results: dict, summary: dict) -> list[str]:
            "512-byte aligned buckets; zero-copy: 4-byte alignment, so every gradient whose dim 0 "
            "divides by the world size is borrowed in place (fused buckets are never borrowed).",
            "",
-           "| world | comm_fusion | method | communicator | step time (ms) | new allocations "
-           "(step 1 / after) | pool high-water | copied per step | borrowed per step |",
-           "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+           "| world | comm_fusion | method | communicator | rounds | step time "
+           "| new allocations (step 1 / after) | pool high-water | copied per step "
+           "| borrowed per step |",
+           "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in sorted(rows, key=lambda r: (r["world_size"], r["comm_fusion"], r["method"])):
         out.append(f"| {r['world_size']} | {'on' if r['comm_fusion'] else 'off'} | {r['method']} "
-                   f"| {r['communicator']} | {r['median_s'] * 1e3:.2f} "
+                   f"| {r['communicator']} | {timing_of(r)['rounds']} | {_spread(timing_of(r))} "
                    f"| {r['new_allocations_first_step']} / {r['new_allocations_after_first']} "
                    f"| {r['high_water_bytes'] / 1024:.1f} KiB "
                    f"| {r['bytes_copied_per_step'] / 1024:.1f} KiB | {r['borrows_per_step']:.0f} |")
-    out += ["", "| world | comm_fusion | pool / zero-copy step time |", "| ---: | --- | ---: |"]
+    out += ["", "| world | comm_fusion | pool speed vs zero-copy (zero-copy time / pool time) |",
+            "| ---: | --- | ---: |"]
     for r in summary["reduce_ratios"]:
         out.append(f"| {r['world_size']} | {'on' if r['comm_fusion'] else 'off'} "
-                   f"| {r['pool_vs_zero_copy_time']:.2f} |")
+                   f"| {_ratio(r['speed_vs_zero_copy'])} |")
     return out + [""]
 
 
 def write_report(results_path: Path, out_dir: Optional[Path] = None) -> list[Path]:
-    """``<stem>.md`` (and ``<stem>-copy-overhead.png`` when there are copy results) in
-    ``out_dir`` (default: beside the JSON). Returns the paths written."""
-    from benchmarks.chart import plot_copy_overhead
+    """``<stem>.md`` (and ``<stem>-copy-speed.png`` when there are copy results) in ``out_dir``
+    (default: beside the JSON). Returns the paths written."""
+    from benchmarks.chart import plot_copy_speed
     results_path = Path(results_path)
     results = json.loads(results_path.read_text(encoding="utf-8"))
     out_dir = Path(out_dir) if out_dir is not None else results_path.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    chart = out_dir / f"{results_path.stem}-copy-overhead.png"
-    if plot_copy_overhead(results, chart):
+    chart = out_dir / f"{results_path.stem}-copy-speed.png"
+    if plot_copy_speed(results, chart):
         written.append(chart)
     md = out_dir / f"{results_path.stem}.md"
     md.write_text(markdown(results, chart.name if written else None), encoding="utf-8")
     return [md] + written
 
 
+# -- compare two result files --------------------------------------------------------------------
+def case_timings(results: dict) -> dict:
+    """``{case name: timing}`` over every timed case of a results file."""
+    copy = results.get("copy") or {}
+    out = {f"copy {c['name']}": timing_of(c) for c in copy.get("cases", [])}
+    if copy.get("small_op"):
+        out["copy small-op reference"] = timing_of(copy["small_op"])
+    out.update({f"reduce {r['name']}": timing_of(r) for r in results.get("reduce") or []})
+    return out
+
+
+def compare(old: dict, new: dict, fail_above: Optional[float] = None) -> tuple[list[str], list]:
+    """Per case of both files: old and new median with IQR, and the change of the median.
+    Returns the lines and the regressions: cases whose median time grew by more than
+    ``fail_above`` percent (pytest-benchmark's ``PercentageRegressionCheck`` on ``median``)."""
+    from pytest_benchmark.utils import PercentageRegressionCheck
+    check = PercentageRegressionCheck("median", fail_above) if fail_above is not None else None
+    before, after = case_timings(old), case_timings(new)
+    lines = [f"{'case':58} {'old median (IQR)':>24} {'new median (IQR)':>24} {'change':>8}"]
+    regressions = []
+    for name in sorted(set(before) & set(after)):
+        o, n = before[name], after[name]
+        change = n["median_s"] / o["median_s"] * 100 - 100
+        # Overlapping interquartile ranges: the change is within the runs' own spread.
+        overlap = n["q1_s"] <= o["q3_s"] and o["q1_s"] <= n["q3_s"]
+        note = ""
+        if check is not None and check.fails({"median": n["median_s"]}, {"median": o["median_s"]}):
+            regressions.append(name)
+            note = f"  REGRESSION (> {fail_above:g}% slower)"
+        elif overlap:
+            note = "  (within spread)"
+        lines.append(f"{name:58} {_compact(o):>24} {_compact(n):>24} {change:+7.1f}%{note}")
+    for name in sorted(set(before) - set(after)):
+        lines.append(f"{name:58} only in the old file")
+    for name in sorted(set(after) - set(before)):
+        lines.append(f"{name:58} only in the new file")
+    return lines, regressions
+
+
+def _compact(t: dict) -> str:
+    return f"{time_label(t['median_s'])} ({time_label(t['iqr_s'])})"
+
+
+# -- command lines -------------------------------------------------------------------------------
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks report",
                                      description="Markdown tables and a PNG chart from a "
@@ -231,4 +373,30 @@ def main(argv=None) -> int:
         return 1
     for path in written:
         print(f"wrote {path}")
+    return 0
+
+
+def compare_main(argv=None) -> int:
+    """``python -m benchmarks compare OLD.json NEW.json [--fail-above PCT]``: 0, or 1 when a
+    case's median time grew by more than PCT percent; 2 on unreadable input."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks compare",
+                                     description="Per-case change of the median time between "
+                                                 "two results files.")
+    parser.add_argument("old", help="the baseline results JSON")
+    parser.add_argument("new", help="the results JSON to judge")
+    parser.add_argument("--fail-above", type=float, default=None, metavar="PCT",
+                        help="exit 1 if any case's median time is more than PCT percent slower")
+    args = parser.parse_args(argv)
+    try:
+        old, new = (json.loads(Path(p).read_text(encoding="utf-8")) for p in (args.old, args.new))
+        lines, regressions = compare(old, new, args.fail_above)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"benchmarks compare: cannot compare {args.old} and {args.new}: {exc!r}",
+              file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    if regressions:
+        print(f"{len(regressions)} case(s) slower by more than {args.fail_above:g}%: "
+              + ", ".join(regressions), file=sys.stderr)
+        return 1
     return 0

@@ -34,7 +34,8 @@ from typing import Optional, Sequence
 logger = logging.getLogger(__name__)
 
 SUITES = ("copy", "reduce-local", "reduce-dist")
-SCHEMA = 1
+SCHEMA = 2            # 2: every timing has rounds/median/IQR/stddev/min/max; git commit, versions
+BENCH_EXTRA_HINT = "pip install -e .[bench]"
 
 
 class BenchmarkError(RuntimeError):
@@ -97,13 +98,14 @@ def _run_local_suites(results: dict, options: RunOptions, show: bool = True) -> 
 
 
 def _launch_ranks(options: RunOptions) -> list:
-    """Run ``reduce-dist`` on ``options.nproc`` ranks under msrun; rank 0's reduce rows."""
+    """Run ``reduce-dist`` on ``options.nproc`` ranks under msrun; rank 0's reduce rows, read
+    from its rank report (``_run_as_rank`` publishes them there)."""
+    from gradpool.app import rank_report
     from gradpool.errors import LaunchError
     from gradpool.app.launch import run_ranks
 
     work = Path(tempfile.mkdtemp(prefix="gradpool-bench-"))
-    part = work / "ranks.json"
-    args = ["run", "--device", options.device, "--nproc", str(options.nproc), "--out", str(part),
+    args = ["run", "--device", options.device, "--nproc", str(options.nproc),
             "--suites", "reduce-dist", "--no-progress"] + (["--quick"] if options.quick else [])
     logger.info("starting %d ranks under msrun (logs in %s)", options.nproc, work)
     try:
@@ -111,12 +113,17 @@ def _launch_ranks(options: RunOptions) -> list:
                   log_dir=work, timeout=options.timeout)
     except LaunchError as exc:
         raise BenchmarkError(f"the {options.nproc}-rank reduce suite failed: {exc}") from None
-    return json.loads(part.read_text(encoding="utf-8"))["reduce"]
+    report = rank_report.read_report(work, 0)
+    if report is None or "reduce" not in report.results:
+        raise BenchmarkError(f"rank 0 reported no reduce rows "
+                             f"({rank_report.report_path(work, 0)})")
+    return report.results["reduce"]
 
 
 # -- as one of msrun's ranks -------------------------------------------------------------------
 def _run_as_rank(options: RunOptions) -> Optional[dict]:
     from benchmarks.suites import run_reduce_suite
+    from gradpool.app import rank_report
     from gradpool.comm import communicator_for, init_distributed
 
     rank, world = init_distributed()     # msrun's scheduler process never returns from this
@@ -129,6 +136,11 @@ def _run_as_rank(options: RunOptions) -> Optional[dict]:
         comm = communicator_for(options.device)
         results["reduce"] += run_reduce_suite(comm, options.settings,
                                               options.progress and rank == 0)
+    # Started by _launch_ranks (gradpool.launch): the rows go back in the rank report, no file.
+    reporter = rank_report.launched_reporter()
+    if reporter is not None:
+        reporter.publish("reduce", results["reduce"])
+        return None
     if rank != 0:
         return None
     _finish(results, options.out)
@@ -137,12 +149,51 @@ def _run_as_rank(options: RunOptions) -> Optional[dict]:
 
 # -- results -----------------------------------------------------------------------------------
 def machine_info(device: str, world_size: int) -> dict:
+    import ml_dtypes
     import mindspore as ms
     import numpy as np
     return {"cpu_model": _cpu_model(), "cores": os.cpu_count(), "machine": platform.machine(),
             "platform": platform.platform(), "python": platform.python_version(),
-            "mindspore": ms.__version__, "numpy": np.__version__, "device": device,
-            "world_size": world_size}
+            "mindspore": ms.__version__, "numpy": np.__version__,
+            "ml_dtypes": ml_dtypes.__version__, "pytest_benchmark": _version("pytest-benchmark"),
+            "device": device, "world_size": world_size, **_git_commit()}
+
+
+def _version(distribution: str) -> Optional[str]:
+    from importlib import metadata
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> dict:
+    """The checkout's commit and whether it had uncommitted changes (None outside a checkout)."""
+    import subprocess
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args) -> Optional[str]:
+        try:
+            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True,
+                                  text=True, timeout=10, check=True)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip()
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"git_commit": commit, "git_dirty": bool(status) if status is not None else None}
+
+
+def require_bench_extra() -> None:
+    """Raise :class:`BenchmarkError` in one line naming the install command when a package of
+    the ``bench`` extra is missing (statistics, progress bars, the chart)."""
+    import importlib.util
+    missing = [name for module, name in (("pytest_benchmark", "pytest-benchmark"),
+                                         ("tqdm", "tqdm"), ("matplotlib", "matplotlib"))
+               if importlib.util.find_spec(module) is None]
+    if missing:
+        raise BenchmarkError(f"the benchmarks need the bench extra ({', '.join(missing)} "
+                             f"missing): {BENCH_EXTRA_HINT}")
 
 
 def _cpu_model() -> str:
@@ -157,6 +208,7 @@ def _cpu_model() -> str:
 
 
 def _new_results(options: RunOptions, world_size: int) -> dict:
+    require_bench_extra()     # first thing every run does: fail in one line, not mid-sweep
     command = options.command or shlex.join(sys.argv)
     return {"schema": SCHEMA,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

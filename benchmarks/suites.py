@@ -2,7 +2,9 @@
 
 Each returns plain dicts (JSON-ready). The copy suite runs in one process and fits its repeat
 count to a time budget; the reduce suite makes the same calls on every rank (its collectives must
-match), so its warm-up and repeat counts are fixed.
+match), so its warm-up and repeat counts are fixed. After timing, every case runs its untimed
+``check()`` (``benchmarks.cases``); a case whose result is wrong raises ``BenchmarkError``
+and no timing of it is reported.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from benchmarks.cases import (COPY_SIZES, DTYPE_PAIRS, KIB, MIB, SMALL_COUNT, SMALL_NUMEL,
                               copy_cases, make_copy, make_reduce_step, make_small_op,
                               reduce_cases)
-from benchmarks.timing import Budget, measure, measure_budget
+from benchmarks.timing import Budget, measure, measure_budget, measure_interleaved
 
 
 @dataclass(frozen=True)
@@ -36,31 +38,61 @@ QUICK = SuiteSettings(copy_sizes=(4 * KIB, MIB),
                       reduce_warmup=1, reduce_repeats=3)
 
 
+def _verify(run) -> None:
+    """The case's untimed check; a wrong result ends the run as a :class:`BenchmarkError`."""
+    from benchmarks.cases import BenchmarkCheckError
+    from benchmarks.runner import BenchmarkError
+    try:
+        run.check()
+    except BenchmarkCheckError as exc:
+        raise BenchmarkError(f"check failed, no timing reported: {exc}") from exc
+
+
+class _NoBar(list):
+    def set_postfix_str(self, *args, **kwargs):
+        pass
+
+
 def _progress(items, desc: str, show: bool):
+    if not show:
+        return _NoBar(items)
     from tqdm import tqdm
-    return tqdm(items, desc=desc, unit="case", disable=not show, dynamic_ncols=True)
+    return tqdm(items, desc=desc, unit="case", dynamic_ncols=True)
 
 
 def run_copy_suite(settings: SuiteSettings, show_progress: bool = True) -> dict:
     """Every copy case of ``settings.copy_sizes`` x ``settings.copy_pairs`` (plus the
     1000-gradient fused packs) and the small-op reference:
-    ``{"cases": [...], "small_op": {...}}``."""
+    ``{"cases": [...], "small_op": {...}}``.
+
+    The methods of one (dtype pair, size) are timed **interleaved**, one call of each per round
+    (:func:`measure_interleaved`): on a shared machine the load changes from second to second,
+    and a ratio of two timings taken minutes apart measures the load as much as the code."""
     rows = []
-    cases = copy_cases(sizes=settings.copy_sizes, pairs=settings.copy_pairs)
-    bar = _progress(cases, "copy-in", show_progress)
-    for case in bar:
-        bar.set_postfix_str(case.name, refresh=False)
-        run = make_copy(case)
-        timing = measure_budget(run, settings.copy_budget)
-        row = {"name": case.name, "method": case.method, "grad_dtype": case.grad_dtype,
-               "bucket_dtype": case.bucket_dtype, "nbytes": case.nbytes, "count": case.count,
-               **timing.to_dict(), "gbps": case.nbytes / timing.median_s / 1e9}
-        pool = getattr(run, "pool", None)
-        if pool is not None:
-            row["new_allocations"] = pool.stats().new_allocations
-        rows.append(row)
-        del run, pool
-        gc.collect()      # the 256 MiB cases: give their tensors back before the next one
+    groups: dict = {}
+    for case in copy_cases(sizes=settings.copy_sizes, pairs=settings.copy_pairs):
+        groups.setdefault((case.grad_dtype, case.bucket_dtype, case.nbytes, case.count),
+                          []).append(case)
+    bar = _progress(list(groups.values()), "copy-in", show_progress)
+    for cases in bar:
+        bar.set_postfix_str(cases[0].name.split("-", 1)[1], refresh=False)
+        runs = {case.name: make_copy(case) for case in cases}
+        timings = measure_interleaved(runs, settings.copy_budget)
+        for case in cases:
+            run, timing = runs[case.name], timings[case.name]
+            _verify(run)
+            row = {"name": case.name, "method": case.method, "grad_dtype": case.grad_dtype,
+                   "bucket_dtype": case.bucket_dtype, "nbytes": case.nbytes,
+                   "count": case.count, "bucket_nbytes": case.bucket_nbytes,
+                   **timing.to_dict(), "gbps": case.nbytes / timing.median_s / 1e9,
+                   "interleaved_with": [c.method for c in cases if c is not case],
+                   "verified": True}
+            pool = getattr(run, "pool", None)
+            if pool is not None:
+                row["new_allocations"] = pool.stats().new_allocations
+            rows.append(row)
+        del runs
+        gc.collect()      # the 256 MiB cases: give their tensors back before the next group
     small = measure_budget(make_small_op(), settings.copy_budget)
     return {"cases": rows,
             "small_op": {"count": SMALL_COUNT, "numel": SMALL_NUMEL, **small.to_dict()}}
@@ -78,6 +110,8 @@ def run_reduce_suite(comm, settings: SuiteSettings, show_progress: bool = True) 
         timing = measure(run, settings.reduce_warmup, settings.reduce_repeats)
         stats = run.pool.stats()
         steps = 1 + timing.warmup + timing.repeats
+        borrows = run.reducer.borrows
+        _verify(run)                                # every rank: it runs collectives
         rows.append({
             "name": case.name, "method": case.method, "comm_fusion": case.comm_fusion,
             "world_size": case.world_size, "communicator": type(comm).__name__,
@@ -87,8 +121,9 @@ def run_reduce_suite(comm, settings: SuiteSettings, show_progress: bool = True) 
             "new_allocations_after_first": stats.new_allocations - first.new_allocations,
             "high_water_bytes": stats.high_water_bytes,
             "bytes_copied_per_step": stats.bytes_copied / steps,
-            "borrows_per_step": run.reducer.borrows / steps,
+            "borrows_per_step": borrows / steps,
             "live_leases_after": stats.live_leases,
+            "verified": True,
         })
         del run
         gc.collect()

@@ -1,27 +1,50 @@
-"""A plain timing loop: warm up, then the median of N timed calls (``time.perf_counter``).
+"""A plain timing loop: warm up, then N timed calls (``time.perf_counter``), summarized with
+pytest-benchmark's own statistics (``pytest_benchmark.stats.Stats``: median, IQR, stddev, ...).
 
-The callables time one complete iteration (they synchronize the device themselves), so no
-statistics beyond median/min/max are needed; the median resists the noise of a shared machine.
+The callables time one complete iteration (they wait for the device themselves). Every case
+records its spread, not only a median: on a shared machine one slow call in twenty is normal, and
+a reader needs to see how far apart the rounds were to judge a ratio.
 """
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable
+
+# What each result row records (seconds unless named otherwise).
+FIELDS = ("median", "mean", "stddev", "iqr", "q1", "q3", "min", "max")
 
 
 @dataclass(frozen=True)
 class Timing:
     median_s: float
+    mean_s: float
+    stddev_s: float
+    iqr_s: float
+    q1_s: float
+    q3_s: float
     min_s: float
     max_s: float
-    repeats: int
+    rounds: int
     warmup: int
 
+    @property
+    def repeats(self) -> int:
+        return self.rounds
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        # ``repeats`` is the name the schema-1 files used for ``rounds``.
+        return {**asdict(self), "repeats": self.rounds}
+
+    @classmethod
+    def of(cls, samples: list, warmup: int) -> "Timing":
+        from pytest_benchmark.stats import Stats
+        stats = Stats()
+        for sample in samples:
+            stats.update(sample)
+        return cls(**{f"{name}_s": float(getattr(stats, name)) for name in FIELDS},
+                   rounds=stats.rounds, warmup=warmup)
 
 
 @dataclass(frozen=True)
@@ -60,11 +83,30 @@ def measure_budget(fn: Callable[[], object], budget: Budget) -> Timing:
     return _timed(fn, budget.repeats_for(last), max(1, budget.warmup))
 
 
+def measure_interleaved(fns: dict, budget: Budget) -> dict:
+    """Time several callables in rounds, one call of each per round (in the same order), so each
+    sees the same machine load: ``{name: Timing}``. The round count is fitted to the budget as
+    :func:`measure_budget` fits it, from the last warm-up round divided among the callables."""
+    last = 0.0
+    for _ in range(max(1, budget.warmup)):
+        start = time.perf_counter()
+        for fn in fns.values():
+            fn()
+        last = time.perf_counter() - start
+    rounds = budget.repeats_for(last / max(1, len(fns)))
+    samples: dict = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: Timing.of(values, max(1, budget.warmup)) for name, values in samples.items()}
+
+
 def _timed(fn: Callable[[], object], repeats: int, warmup: int) -> Timing:
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - start)
-    return Timing(median_s=statistics.median(samples), min_s=min(samples), max_s=max(samples),
-                  repeats=repeats, warmup=warmup)
+    return Timing.of(samples, warmup)

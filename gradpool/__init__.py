@@ -23,7 +23,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "gradpool.pool": ("BucketPool", "Lease", "PoolStats", "Fence", "fence_done", "as_fence"),
     "gradpool.layout": ("ReduceScatterLayout", "GradSlot"),
-    "gradpool.pack": ("chunk_rows", "local_shard", "unshard", "shard_views", "flat_view"),
+    "gradpool.pack": ("chunk_rows", "local_shard", "unshard", "shard_views", "flat_view",
+                      "unpack_gathered", "Written"),
     "gradpool.reducer": ("GradReducer", "ReducerConfig", "ReduceResult", "PackedBucket"),
     "gradpool.runtime": ("GradPoolConfig", "Runtime", "build_runtime", "runtime_for",
                          "all_runtimes", "reset_runtimes"),
@@ -41,16 +42,20 @@ _EXPORTS = {
                         "GradientIntegrityError", "ArgumentTypeError", "check_bool", "check_int",
                         "check_positive_number"),
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+# Names that would shadow the submodule they live in (``gradpool.pack``) go out under another.
+_RENAMED = {"pack_bucket": ("gradpool.pack", "pack"),
+            "accumulate_bucket": ("gradpool.pack", "accumulate")}
+_SOURCE = {**{name: (module, name) for module, names in _EXPORTS.items() for name in names},
+           **_RENAMED}
 
-__all__ = [*_MODULE_OF, "__version__"]
+__all__ = [*_SOURCE, "__version__"]
 
 
 def __getattr__(name: str):
-    module = _MODULE_OF.get(name)
-    if module is None:
+    source = _SOURCE.get(name)
+    if source is None:
         raise AttributeError(f"module 'gradpool' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module(source[0]), source[1])
     globals()[name] = value       # resolved once
     return value
 

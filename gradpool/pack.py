@@ -16,30 +16,35 @@ MindSpore 2.10's CPU backend silently ignores ``copy_`` into a view at a non-zer
   pass: the large-gradient bandwidth path);
 * accumulation is an out-of-place add written back the same way.
 
-On the CPU backend a tensor's ``asnumpy()`` is its own host memory, and MindSpore's CPU copy
-kernel runs at about half of memcpy bandwidth. So with ``host=True`` on a CPU pool, when every
-dtype is one NumPy has (float32, float16), the **host path** writes with NumPy in place in the
-lease's allocation: one pass, no intermediate, ~1 us per gradient.
+On the CPU backend a tensor's ``asnumpy()`` is its own host memory, MindSpore's CPU copy kernel
+runs at about half of memcpy bandwidth and its casts are slower still. So with ``host=True`` on a
+CPU pool the **host path** writes with NumPy in place in the lease's allocation, for every
+supported dtype pair and shard dim: bfloat16 memory is viewed as ``ml_dtypes.bfloat16``
+(:func:`gradpool.dtypes.host_view`), a cast is done by NumPy / ml-dtypes while writing (one write
+pass, no intermediate), an accumulate adds in float32 and rounds once into the bucket. A cast
+rounds to nearest even like MindSpore's; its NaNs are rewritten to MindSpore's canonical NaN
+(:func:`gradpool.dtypes.canonicalize_nans`, a read-only scan unless a NaN is there), so the two
+paths write the same bits (``tests/test_pack_casts.py``).
 """
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import mindspore as ms
+import numpy as np
 from mindspore import mint
 
-from gradpool.dtypes import HOST_DTYPES, check_dtype, itemsize, overwrite
+from gradpool.dtypes import (canonicalize_nans, check_dtype, host_view, is_whole_storage,
+                             itemsize, overwrite)
 from gradpool.errors import LayoutMismatchError
 from gradpool.layout import GradSlot, ReduceScatterLayout
 from gradpool.pool import Lease
 
 
-@dataclass(frozen=True)
-class Written:
-    """What one pack or accumulate wrote into its bucket."""
+class Written(NamedTuple):
+    """What one pack or accumulate wrote into its bucket (a tuple: cheap to make per call)."""
 
     nbytes: int           # bytes written (padding included)
     padding_bytes: int    # of those, zero padding (none for an accumulate, which adds)
@@ -77,7 +82,25 @@ def shard_views(output: ms.Tensor, layout: ReduceScatterLayout) -> list[ms.Tenso
 
 
 def flat_view(tensor: ms.Tensor) -> ms.Tensor:
-    """``tensor`` as 1-D (itself when already 1-D: a view op costs a dispatch on CPU)."""
+    """``tensor`` as 1-D over the same memory (itself when already 1-D; a contiguous copy first
+    when it is not contiguous).
+
+    A CPU tensor that spans its storage is aliased through its host memory (``from_numpy`` of
+    its ``asnumpy()``), not with a view op: PyNative queues a view op on its launch thread, and
+    whatever then reads the view (a collective checking its shape) waits for that thread, which
+    cost 0.1-2 ms per call on the 2-core CPU machine, all of a zero-copy borrow's cost (issue 12).
+    Elsewhere (Ascend) it is a view op."""
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    if tensor.ndim == 1:
+        return tensor
+    if tensor.device == "CPU" and is_whole_storage(tensor):
+        return ms.from_numpy(tensor.asnumpy().reshape(-1))
+    return _device_flat(tensor)
+
+
+def _device_flat(tensor: ms.Tensor) -> ms.Tensor:
+    """The device path's flat view (a view op), what it runs on Ascend."""
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
     return tensor.view(tensor.numel()) if tensor.ndim != 1 else tensor
@@ -90,7 +113,7 @@ def chunk_rows(tensor: ms.Tensor, slot: GradSlot) -> ms.Tensor:
     world = slot.world_size
     pad = slot.chunk_size * world - slot.shape[slot.shard_dim]
     if slot.shard_dim == 0:
-        flat = flat_view(tensor)
+        flat = _device_flat(tensor)
         if pad:
             flat = mint.cat([flat, _zeros((pad * slot.chunk_numel // slot.chunk_size,),
                                           tensor.dtype)])
@@ -125,10 +148,43 @@ def unshard(gathered: ms.Tensor, slot: GradSlot) -> ms.Tensor:
     return padded.narrow(dim, 0, slot.shape[dim])
 
 
+def unpack_gathered(lease: Lease, layout: ReduceScatterLayout, *, host: bool) -> list[ms.Tensor]:
+    """The full tensors of an all-gather bucket laid out as ``layout`` (row ``r`` is rank ``r``'s
+    row of chunks: what every rank sent is its row of the same layout, packed with :func:`pack`
+    at world size 1), one per slot, of ``slot.shape``, through :func:`unshard`.
+
+    Every tensor returned owns new memory, never a view of the bucket: the caller may recycle the
+    bucket as soon as this returns (on the device path, once the queued copies ran) while autograd
+    still holds the tensors. ``host``: copy out with NumPy on a CPU pool."""
+    lease.tensor  # noqa: B018 - raises LeaseStateError on a released lease
+    if lease.numel != layout.total_numel:
+        raise LayoutMismatchError(
+            f"lease holds {lease.numel} elements; the layout needs {layout.total_numel}")
+    world, row = layout.world_size, layout.row_numel
+    if host and _host_applies(lease):
+        rows = host_view(lease.allocation)[:lease.numel].reshape(world, row)
+        # copy() always copies the [W, chunk] column block (ascontiguousarray would return the
+        # bucket itself when the block is the whole bucket); from_numpy adopts that copy.
+        flats = [ms.from_numpy(rows[:, s.offset:s.offset + s.chunk_numel].copy().reshape(-1))
+                 for s in layout.slots]
+    else:
+        grid = lease.tensor.view(world, row)
+        flats = []
+        for s in layout.slots:
+            part = grid[:, s.offset:s.offset + s.chunk_numel]
+            if part.is_contiguous():        # the whole bucket: copy, never hand it out
+                fresh = mint.empty(world * s.chunk_numel, dtype=lease.dtype)
+                overwrite(fresh, part.reshape(-1))
+                flats.append(fresh)
+            else:
+                flats.append(part.contiguous().view(world * s.chunk_numel))
+    return [unshard(flat, slot) for flat, slot in zip(flats, layout.slots)]
+
+
 # -- internals -----------------------------------------------------------------------------------
 def _put(lease: Lease, grads, layout: ReduceScatterLayout, add: bool, host: bool) -> Written:
     _check(lease, grads, layout)
-    on_host = host and _host_applies(lease, grads, layout)
+    on_host = host and _host_applies(lease)
     if on_host:
         # asnumpy() waits for every queued op that writes the tensor (a pending poison fill, the
         # op that produced a gradient), so the NumPy write below is ordered after them.
@@ -139,8 +195,7 @@ def _put(lease: Lease, grads, layout: ReduceScatterLayout, add: bool, host: bool
             packed = _add_once_rounded(lease.tensor, packed)
         overwrite(lease.tensor, packed)
     size = itemsize(lease.dtype)
-    return Written(nbytes=layout.total_numel * size,
-                   padding_bytes=0 if add else layout.padding_numel * size, on_host=on_host)
+    return Written(layout.total_numel * size, 0 if add else layout.padding_numel * size, on_host)
 
 
 def _check(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout) -> None:
@@ -175,7 +230,7 @@ def _zeros(shape: tuple[int, ...], dtype) -> ms.Tensor:
 def _assemble(grads: Sequence[ms.Tensor], layout: ReduceScatterLayout) -> ms.Tensor:
     """The bucket's content as one flat tensor (the gradient itself for an identity layout)."""
     if layout.is_identity():
-        return flat_view(grads[0])
+        return _device_flat(grads[0])
     dtypes = {g.dtype for g in grads}
     dtype = dtypes.pop() if len(dtypes) == 1 else ms.float32   # mixed: cat needs one dtype
     grads = [g if g.dtype == dtype else g.astype(dtype) for g in grads]
@@ -185,31 +240,69 @@ def _assemble(grads: Sequence[ms.Tensor], layout: ReduceScatterLayout) -> ms.Ten
     return out.view(layout.total_numel)
 
 
-def _host_applies(lease: Lease, grads, layout: ReduceScatterLayout) -> bool:
-    return lease.pool.device == "CPU" and lease.dtype in HOST_DTYPES \
-        and all(g.dtype in HOST_DTYPES for g in grads) \
-        and all(slot.shard_dim == 0 for slot in layout.slots)
+def _host_applies(lease: Lease) -> bool:
+    # Every supported dtype and shard dim has a host path; only the pool's device decides.
+    return lease.pool.device == "CPU"
 
 
 def _host_write(lease: Lease, grads, layout: ReduceScatterLayout, add: bool) -> None:
     """The CPU path: write (or add) into the bucket's own host memory with NumPy."""
-    # The whole allocation's asnumpy() is its memory; a prefix view's asnumpy() is a copy.
-    rows = lease.allocation.asnumpy()[:lease.numel].reshape(layout.world_size, layout.row_numel)
-    if not add:
-        for start, end in layout.gaps():
-            rows[:, start:end] = 0
-    for slot, grad in zip(layout.slots, grads):
-        region = rows[:, slot.offset:slot.offset + slot.chunk_numel]
-        src = grad.asnumpy().reshape(-1)
-        width = slot.chunk_numel
-        full, rest = divmod(slot.numel, width)
-        if add:
-            region[:full] += src[:full * width].reshape(full, width)
-            if rest:
-                region[full, :rest] += src[full * width:]
-            continue
-        region[:full] = src[:full * width].reshape(full, width)
-        if rest:
-            region[full, :rest] = src[full * width:]
-            region[full, rest:] = 0
-        region[full + (1 if rest else 0):] = 0
+    # The whole allocation's host view is its memory; a prefix view's asnumpy() is a copy.
+    bucket = host_view(lease.allocation)[:lease.numel]
+    if layout.is_identity():
+        # The bucket is the flat gradient: one call, none of the per-chunk bookkeeping (this is
+        # most of a small pack's fixed cost besides the two asnumpy() calls).
+        src = host_view(grads[0]).reshape(-1)
+        rounded = add or src.dtype != bucket.dtype
+        if rounded:
+            with np.errstate(invalid="ignore", over="ignore"):   # see below
+                _into(bucket, src, add)
+        else:
+            np.copyto(bucket, src)
+    else:
+        rounded = add
+        rows = bucket.reshape(layout.world_size, layout.row_numel)
+        if not add:
+            for start, end in layout.gaps():
+                rows[:, start:end] = 0
+        # NaN and out-of-range values are cast as MindSpore casts them (NaN, inf): NumPy's
+        # warnings about them are noise here.
+        with np.errstate(invalid="ignore", over="ignore"):
+            for slot, grad in zip(layout.slots, grads):
+                src = host_view(grad)
+                rounded = rounded or src.dtype != bucket.dtype
+                _write_chunks(rows, src, slot, add)
+    if rounded and bucket.dtype.itemsize == 2:
+        canonicalize_nans(bucket)
+
+
+def _write_chunks(rows: np.ndarray, src: np.ndarray, slot: GradSlot, add: bool) -> None:
+    """Write ``src`` (of ``slot.shape``) as its W chunks along the shard dim into ``rows``
+    (``[W, row_numel]``) at ``slot.offset``; a chunk's padding past the gradient is zeroed (pack)
+    or left alone (accumulate: it holds the zeros the pack wrote)."""
+    world, chunk, dim = slot.world_size, slot.chunk_size, slot.shard_dim
+    length = slot.shape[dim]
+    outer = math.prod(slot.shape[:dim])
+    inner = slot.numel // (outer * length)
+    src = src.reshape(outer, length, inner)
+    # Splitting the contiguous column range of every row: a view, the writes land in the bucket.
+    dst = rows[:, slot.offset:slot.offset + outer * chunk * inner].reshape(world, outer, chunk,
+                                                                           inner)
+    if length == world * chunk:      # even: one strided write for all ranks
+        _into(dst, src.reshape(outer, world, chunk, inner).transpose(1, 0, 2, 3), add)
+        return
+    for rank in range(world):
+        start = rank * chunk
+        valid = max(0, min(chunk, length - start))
+        if valid:
+            _into(dst[rank, :, :valid], src[:, start:start + valid], add)
+        if valid < chunk and not add:
+            dst[rank, :, valid:] = 0
+
+
+def _into(dst: np.ndarray, src: np.ndarray, add: bool) -> None:
+    if add:
+        # float32 arithmetic whatever the dtypes, rounded once into the bucket's dtype.
+        np.add(dst, src, out=dst, dtype=np.float32, casting="unsafe")
+    else:
+        np.copyto(dst, src, casting="unsafe")

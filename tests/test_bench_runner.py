@@ -1,6 +1,7 @@
 """The benchmark runner (quick sweep, CPU, one process) and its report: JSON, Markdown, PNG."""
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -28,8 +29,10 @@ def test_json_structure(quick_results):
     assert data == json.loads(json.dumps(returned))
     assert data["schema"] == runner.SCHEMA and data["command"] == COMMAND
     machine = data["machine"]
-    for key in ("cpu_model", "cores", "mindspore", "numpy", "python", "device"):
+    for key in ("cpu_model", "cores", "mindspore", "numpy", "ml_dtypes", "python", "device",
+                "git_commit"):
         assert machine[key], key
+    assert len(machine["git_commit"]) == 40 and isinstance(machine["git_dirty"], bool)
     assert machine["device"] == "CPU" and machine["world_size"] == 1
     assert data["options"]["quick"] is True and data["options"]["nproc"] == 1
 
@@ -38,8 +41,12 @@ def test_json_structure(quick_results):
     assert {c["method"] for c in cases} == {"pool", "zero_copy", "fresh_alloc", "memcpy"}
     assert any(c["count"] == SMALL_COUNT for c in cases)
     for case in cases:
-        assert 0 < case["min_s"] <= case["median_s"] <= case["max_s"]
-        assert case["repeats"] >= QUICK.copy_budget.min_repeats
+        assert 0 < case["min_s"] <= case["q1_s"] <= case["median_s"] <= case["q3_s"] \
+            <= case["max_s"]
+        assert case["iqr_s"] == pytest.approx(case["q3_s"] - case["q1_s"])
+        assert case["stddev_s"] >= 0 and case["min_s"] <= case["mean_s"] <= case["max_s"]
+        assert case["rounds"] == case["repeats"] >= QUICK.copy_budget.min_repeats
+        assert case["verified"] is True, case["name"]
     assert data["copy"]["small_op"]["median_s"] > 0
 
     reduce = data["reduce"]
@@ -50,7 +57,9 @@ def test_json_structure(quick_results):
         assert row["new_allocations_first_step"] > 0
         assert row["new_allocations_after_first"] == 0, row
         assert row["high_water_bytes"] > 0 and row["live_leases_after"] == 0
-        assert row["repeats"] == QUICK.reduce_repeats
+        assert row["repeats"] == row["rounds"] == QUICK.reduce_repeats
+        assert row["min_s"] <= row["median_s"] <= row["max_s"] and row["iqr_s"] >= 0
+        assert row["verified"] is True
     borrowed = {(r["method"], r["comm_fusion"]): r["borrows_per_step"] for r in reduce}
     assert borrowed[("zero_copy", False)] == reduce[0]["gradients"]   # world 1: all borrowed
     assert borrowed[("pool", False)] == borrowed[("pool", True)] == 0
@@ -59,9 +68,21 @@ def test_json_structure(quick_results):
     assert {(r["world_size"], r["comm_fusion"]) for r in summary["reduce_ratios"]} == {
         (1, False), (1, True)}
     f32 = summary["copy_by_pair"]["float32->float32"]
-    assert set(f32["pool_vs_memcpy_bandwidth_from_1MiB"]) == {"1 MiB"}
+    assert set(f32["speed_vs_memcpy_from_1MiB"]) == {"1 MiB"}
     assert f32["fused_pack_gradients"] == SMALL_COUNT
-    assert f32["fused_pack_per_gradient_op_units"] > 0
+    assert f32["fused_pack_speed_vs_small_op"] > 0
+    assert 0 < f32["pack_4KiB_us"]["min"] <= f32["pack_4KiB_us"]["median"]
+    # one direction for every ratio: reference time / pool time, with its IQR range
+    for row in summary["copy_rows"]:
+        for ratio in row["ratios"].values():
+            assert 0 < ratio["low"] <= ratio["median"] <= ratio["high"]
+        memcpy = row["ratios"]["speed_vs_memcpy"]
+        times = row["timings"]
+        assert memcpy["median"] == pytest.approx(times["memcpy"]["median_s"]
+                                                 / times["pool"]["median_s"])
+    for ratio in summary["reduce_ratios"]:
+        r = ratio["speed_vs_zero_copy"]
+        assert r["median"] == pytest.approx(ratio["zero_copy_s"] / ratio["pool_s"])
 
 
 def test_report_writes_markdown_and_png(quick_results, tmp_path):
@@ -73,10 +94,11 @@ def test_report_writes_markdown_and_png(quick_results, tmp_path):
     text = md.read_text()
     assert COMMAND in text and "MindSpore 2.10" in text and "cores" in text
     assert f"]({png.name})" in text
-    for heading in ("## Copy-in of one gradient", "## Many small gradients",
-                    "## Reduce step"):
+    for heading in ("## Copy-in of one gradient", "## Fixed cost per call",
+                    "## Many small gradients", "## Reduce step"):
         assert heading in text
     assert "| float32 -> float32 | 1 MiB |" in text
+    assert "higher is better" in text and "IQR" in text and "ml-dtypes" in text
 
 
 def test_report_command_line(quick_results, tmp_path, capsys):
@@ -93,3 +115,69 @@ def test_bad_options_are_refused():
         runner.RunOptions(suites=("copy", "nope"))
     with pytest.raises(runner.BenchmarkError, match="nproc"):
         runner.RunOptions(nproc=0)
+
+
+def test_distributed_rows_come_back_in_rank_0s_report(tmp_path, monkeypatch):
+    """``_launch_ranks`` reads the rows ``_run_as_rank`` publishes in its rank report. A fake
+    ``run_ranks`` stands in for msrun: it runs rank 0 of 2 in this process, in the environment
+    ``gradpool.launch`` gives a rank (the real launch is covered by the distributed suites)."""
+    import benchmarks.suites
+    import gradpool.comm
+    from gradpool.app import launch, rank_report
+
+    rows = [{"method": "pool", "world_size": 2, "comm_fusion": False}]
+    monkeypatch.setattr(gradpool.comm, "init_distributed", lambda: (0, 2))
+    monkeypatch.setattr(gradpool.comm, "communicator_for", lambda *args, **kwargs: "comm")
+    monkeypatch.setattr(benchmarks.suites, "run_reduce_suite", lambda *args: list(rows))
+    monkeypatch.setattr(rank_report, "_launched", None)
+    launched = []
+
+    def fake_run_ranks(script, args, nproc, log_dir, timeout):
+        for name, value in ((rank_report.ENV_DIR, str(log_dir)), ("RANK_ID", "0"),
+                            ("MS_ROLE", "MS_WORKER"), ("MS_WORKER_NUM", str(nproc))):
+            monkeypatch.setenv(name, value)
+        parser = argparse.ArgumentParser()
+        runner.add_arguments(parser)
+        options = runner.options_from(parser.parse_args(args[1:]))
+        launched.append((args, runner._run_as_rank(options)))
+
+    monkeypatch.setattr(launch, "run_ranks", fake_run_ranks)
+    options = runner.RunOptions(nproc=2, out=tmp_path / "r.json", quick=True, progress=False,
+                                suites=("reduce-dist",))
+    assert runner._launch_ranks(options) == rows
+    (args, returned), = launched
+    assert returned is None and "--out" not in args        # no side file: the report only
+    assert not (tmp_path / "r.json").exists()
+
+    monkeypatch.setattr(launch, "run_ranks", lambda *args, **kwargs: None)   # rank 0 wrote nothing
+    with pytest.raises(runner.BenchmarkError, match="rank 0 reported no reduce rows"):
+        runner._launch_ranks(options)
+
+
+def test_compare_reports_changes_and_fails_above_threshold(quick_results, tmp_path, capsys):
+    out, _ = quick_results
+    data = json.loads(out.read_text())
+    slower = json.loads(out.read_text())
+    for row in slower["reduce"]:
+        for key in ("median_s", "q1_s", "q3_s"):
+            row[key] *= 3                     # every reduce case 200 % slower
+    new = tmp_path / "slower.json"
+    new.write_text(json.dumps(slower))
+    assert benchmarks_main(["compare", str(out), str(out), "--fail-above", "5"]) == 0
+    assert benchmarks_main(["compare", str(out), str(new)]) == 0      # no threshold: report only
+    printed = capsys.readouterr().out
+    assert "+200.0%" in printed and f"reduce {data['reduce'][0]['name']}" in printed
+    assert benchmarks_main(["compare", str(out), str(new), "--fail-above", "150"]) == 1
+    assert "REGRESSION" in capsys.readouterr().out
+    assert benchmarks_main(["compare", str(out), str(tmp_path / "missing.json")]) == 2
+
+
+def test_missing_bench_extra_is_one_line_naming_the_install(monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tqdm" else real(name, *a))
+    with pytest.raises(runner.BenchmarkError) as err:
+        runner.require_bench_extra()
+    assert "\n" not in str(err.value) and "pip install -e .[bench]" in str(err.value)
+    assert "tqdm" in str(err.value)

@@ -260,3 +260,67 @@ def test_local_shards_unshard_back_to_the_parameter(shape, world, data):
     back = packing.unshard(gathered, slot)
     assert tuple(back.shape) == tuple(shape)
     np.testing.assert_array_equal(back.asnumpy(), full)
+
+
+# -- the all-gather direction: a gathered [W, row] bucket back to full tensors -----------------
+GATHER_SHAPES = [[(7, 3), (16,)], [(5,)], [(9, 2, 3), (1, 4), (33,)], [(4, 6)]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shapes", GATHER_SHAPES)
+@pytest.mark.parametrize("world", [2, 3])
+def test_unpack_gathered_returns_the_full_tensors_owning_their_memory(dtype, shapes, world):
+    """Each rank sends its local shards packed as one row (world-1 layout of the shard shapes);
+    the all-gather of those rows is the [W, row] bucket of the full tensors' layout. Unpacking it
+    gives every full tensor bit for bit, in new memory: overwriting the bucket after changes
+    nothing (the bucket may be recycled while autograd holds the tensors)."""
+    rng = np.random.default_rng(world * 10 + len(shapes))
+    dims = [len(s) - 1 if len(s) > 1 and i % 2 else 0 for i, s in enumerate(shapes)]
+    fulls = [exact_grid(rng, s) for s in shapes]
+    layout = ReduceScatterLayout.build(shapes, world, 16, shard_dims=dims)
+    pool = BucketPool(alignment_bytes=4)
+    rows = []
+    for rank in range(world):
+        locals_ = [packing.local_shard(t, slot, rank) for t, slot in
+                   zip(tensors(fulls, dtype), layout.slots)]
+        row = ReduceScatterLayout.build([tuple(t.shape) for t in locals_], 1, 16)
+        assert row.row_numel == layout.row_numel
+        send = pool.acquire(row.total_numel, dtype)
+        pack(send, locals_, row)
+        rows.append(values(send.tensor))
+        send.release()
+    np.testing.assert_array_equal(np.concatenate(rows), np_pack(fulls, layout))
+    gathered = pool.acquire(layout.total_numel, dtype)
+    pack(gathered, tensors(fulls, dtype), layout)   # what the all-gather of those rows holds
+    out = packing.unpack_gathered(gathered, layout, host=_PATH["host"])
+    assert [tuple(t.shape) for t in out] == [tuple(s) for s in shapes]
+    assert all(t.dtype == dtype for t in out)
+    pack(gathered, tensors([np.full(s, 3.0) for s in shapes], dtype), layout)   # recycled
+    for got, want in zip(out, fulls):
+        np.testing.assert_array_equal(values(got), want)
+    gathered.release()
+
+
+def test_unpack_gathered_checks_the_lease():
+    layout = ReduceScatterLayout.build([(4, 2)], 2, 1)
+    pool = BucketPool(alignment_bytes=4)
+    lease = pool.acquire(layout.total_numel + 2, ms.float32)
+    with pytest.raises(LayoutMismatchError, match="the layout needs 8"):
+        packing.unpack_gathered(lease, layout, host=_PATH["host"])
+    lease.release()
+    with pytest.raises(LeaseStateError):
+        packing.unpack_gathered(lease, layout, host=_PATH["host"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unpack_gathered_copies_a_bucket_that_is_one_whole_parameter(dtype):
+    """One evenly sharded parameter, no alignment gap: its block is the whole bucket, and the
+    tensor returned must still be a copy, not the bucket."""
+    layout = ReduceScatterLayout.build([(4, 6)], 2, 1)
+    full = exact_grid(np.random.default_rng(2), (4, 6))
+    lease = BucketPool(alignment_bytes=4).acquire(layout.total_numel, dtype)
+    pack(lease, tensors([full], dtype), layout)
+    out, = packing.unpack_gathered(lease, layout, host=_PATH["host"])
+    pack(lease, tensors([np.zeros((4, 6))], dtype), layout)
+    np.testing.assert_array_equal(values(out), full)
+    lease.release()

@@ -23,9 +23,8 @@ import numpy as np
 from mindspore import Parameter, mint
 
 from gradpool import (GradientIntegrityError, GradSlot, InvalidArgumentError, ReduceResult,
-                      ReduceScatterLayout, check_reduce_op, local_shard, synchronize, unshard,
-                      writable_view)
-from gradpool import pack as packing
+                      ReduceScatterLayout, check_reduce_op, local_shard, pack_bucket,
+                      synchronize, unpack_gathered, unshard, writable_view)
 
 logger = logging.getLogger(__name__)
 
@@ -280,11 +279,11 @@ def _gather_bucket(members: list, locals_: list, dtype, pool, host: bool) -> lis
     recv = None
     handle = None
     try:
-        written = packing.pack(send, locals_, row, host=host)
+        written = pack_bucket(send, locals_, row, host=host)
         recv = pool.acquire(layout.total_numel, dtype)
         handle = comm.all_gather(recv.tensor, send.tensor, async_op=False)
         handle.wait()
-        fulls = packing.unpack_gathered(recv, layout, host=host)
+        fulls = unpack_gathered(recv, layout, host=host)
         if not (written.on_host and host):
             synchronize()   # queued device copies still read the bucket: done before recycling
         return fulls

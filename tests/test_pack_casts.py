@@ -1,0 +1,158 @@
+"""Casts while packing are bit-exact with MindSpore's own cast, on both copy paths.
+
+Every bfloat16 and float16 bit pattern, and float32 patterns chosen to hit every rounding case
+(random words, ties to even, one below and above a tie, subnormals, NaN payloads of both signs,
++-inf, overflow), are packed into a bucket of each other dtype. The bucket's bits must equal
+MindSpore's ``astype`` of the same tensor and an independent NumPy integer reference of round to
+nearest even (NaN written as one canonical quiet NaN, inf kept)."""
+import mindspore as ms
+import numpy as np
+import pytest
+
+from gradpool import pack as packing
+from gradpool.layout import ReduceScatterLayout
+from gradpool.pool import BucketPool
+from npref import raw_bytes
+
+ms.set_device("CPU")
+
+_UINT = {ms.float32: np.uint32, ms.float16: np.uint16, ms.bfloat16: np.uint16}
+_INT = {ms.float32: np.int32, ms.float16: np.int16, ms.bfloat16: np.int16}
+
+
+@pytest.fixture(params=["host-copies", "device-copies"])
+def host(request):
+    return request.param == "host-copies"
+
+
+def bits_of(tensor):
+    return np.frombuffer(raw_bytes(tensor), _UINT[tensor.dtype]).copy()
+
+
+def tensor_of(bits, dtype):
+    """A ``dtype`` tensor holding exactly ``bits`` (built from integers, no cast involved)."""
+    return ms.Tensor(np.ascontiguousarray(bits).view(_INT[dtype])).view(dtype)
+
+
+def all_16bit_patterns():
+    return np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+
+
+def float32_patterns():
+    rng = np.random.default_rng(12)
+    high = np.arange(1 << 16, dtype=np.uint32) << 16
+    words = [rng.integers(0, 1 << 32, size=1 << 17, dtype=np.uint64).astype(np.uint32),
+             high | 0x8000, high | 0x7FFF, high | 0x8001, high | 0x1000,     # ties and neighbours
+             rng.integers(1, 0x00800000, size=4096, dtype=np.uint32),        # subnormals
+             rng.integers(1, 0x00800000, size=4096, dtype=np.uint32) | 0x80000000,
+             0x7F800000 | rng.integers(1, 0x00800000, size=4096, dtype=np.uint32),  # NaN payloads
+             0xFF800000 | rng.integers(1, 0x00800000, size=4096, dtype=np.uint32),
+             np.array([0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF,
+                       0x7F7FFFFF, 0xFF7FFFFF, 0x477FF000, 0x477FEFFF, 0x38800000, 0x33800000,
+                       0x33000001, 0, 0x80000000], dtype=np.uint32)]
+    return np.concatenate(words)
+
+
+def rne_bfloat16(words):
+    """float32 words -> bfloat16 bits: round to nearest even; every NaN -> 0x7FC0."""
+    words = words.astype(np.uint64)
+    rounded = ((words + 0x7FFF + ((words >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = (words & 0x7FFFFFFF) > 0x7F800000
+    rounded[nan] = 0x7FC0
+    return rounded
+
+
+def pack_bits(bits, grad_dtype, bucket_dtype, host, world=1):
+    """Pack one gradient holding ``bits`` into a fresh ``bucket_dtype`` bucket; its bits."""
+    grad = tensor_of(bits, grad_dtype)
+    layout = ReduceScatterLayout.build([(bits.size,)], world)
+    lease = BucketPool(alignment_bytes=4).acquire(layout.total_numel, bucket_dtype)
+    written = packing.pack(lease, [grad], layout, host=host)
+    assert written.on_host == host
+    out = bits_of(lease.tensor)
+    lease.release()
+    return out
+
+
+PAIRS_16 = [(ms.bfloat16, ms.float32), (ms.bfloat16, ms.float16), (ms.bfloat16, ms.bfloat16),
+            (ms.float16, ms.bfloat16), (ms.float16, ms.float32), (ms.float16, ms.float16)]
+
+
+@pytest.mark.parametrize("grad_dtype,bucket_dtype", PAIRS_16, ids=str)
+def test_every_16bit_pattern_casts_as_mindspore_does(host, grad_dtype, bucket_dtype):
+    bits = all_16bit_patterns()
+    want = bits_of(tensor_of(bits, grad_dtype).astype(bucket_dtype))
+    got = pack_bits(bits, grad_dtype, bucket_dtype, host)
+    np.testing.assert_array_equal(got, want)
+    if grad_dtype == bucket_dtype:
+        np.testing.assert_array_equal(got, bits)
+
+
+def test_bfloat16_to_float32_is_the_high_half():
+    """Independent of MindSpore: widening bfloat16 is ``bits << 16`` exactly, NaNs included."""
+    bits = all_16bit_patterns()
+    got = pack_bits(bits, ms.bfloat16, ms.float32, host=True)
+    np.testing.assert_array_equal(got, bits.astype(np.uint32) << 16)
+
+
+@pytest.mark.parametrize("bucket_dtype", [ms.bfloat16, ms.float16], ids=str)
+def test_float32_patterns_round_to_nearest_even(host, bucket_dtype):
+    words = float32_patterns()
+    want = bits_of(ms.Tensor(words.view(np.float32)).astype(bucket_dtype))
+    got = pack_bits(words, ms.float32, bucket_dtype, host)
+    np.testing.assert_array_equal(got, want)
+    # and against NumPy references that do not go through MindSpore
+    if bucket_dtype == ms.bfloat16:
+        np.testing.assert_array_equal(got, rne_bfloat16(words))
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):
+            ref = words.view(np.float32).astype(np.float16).view(np.uint16)
+        nan = np.isnan(words.view(np.float32))
+        np.testing.assert_array_equal(got[~nan], ref[~nan])
+        np.testing.assert_array_equal(got[nan], (ref[nan] & 0x8000) | 0x7E00)
+
+
+@pytest.mark.parametrize("bucket_dtype", [ms.bfloat16, ms.float16], ids=str)
+def test_cast_into_interleaved_uneven_layout(host, bucket_dtype):
+    """Random float32 (NaNs and infs among them) into a world-3 layout with an uneven Shard(1)
+    gradient and alignment gaps: each chunk holds MindSpore's cast of the gradient's chunk."""
+    rng = np.random.default_rng(5)
+    words = rng.choice(float32_patterns(), size=(4, 10))
+    shapes = [(4, 10), (7,)]
+    arrays = [words.view(np.float32), rng.standard_normal(7).astype(np.float32)]
+    layout = ReduceScatterLayout.build(shapes, 3, alignment=8, shard_dims=[1, 0])
+    pool = BucketPool(alignment_bytes=4, poison_on_release=True)
+    pool.acquire(layout.total_numel, bucket_dtype).release()       # poisoned: gaps must be zeroed
+    lease = pool.acquire(layout.total_numel, bucket_dtype)
+    packing.pack(lease, [ms.Tensor(a) for a in arrays], layout, host=host)
+    got = bits_of(lease.tensor)
+    want = np.zeros(layout.total_numel, np.uint16)
+    for slot, array in zip(layout.slots, arrays):
+        cast = bits_of(ms.Tensor(array).astype(bucket_dtype)).reshape(slot.shape)
+        padded = np.zeros(slot.padded_shape, np.uint16)
+        padded[tuple(slice(0, d) for d in slot.shape)] = cast
+        for rank in range(3):
+            chunk = np.take(padded, range(rank * slot.chunk_size, (rank + 1) * slot.chunk_size),
+                            axis=slot.shard_dim)
+            start, end = layout.flat_range(slot.index, rank)
+            want[start:end] = chunk.reshape(-1)
+    np.testing.assert_array_equal(got, want)
+    lease.release()
+
+
+def test_accumulate_into_bfloat16_rounds_once(host):
+    """float32 micro-steps into a bfloat16 bucket: the float32 sum of the bucket's value and the
+    new gradient, rounded once to nearest even (values chosen so rounding twice differs)."""
+    rng = np.random.default_rng(21)
+    first, second = (rng.standard_normal(4096).astype(np.float32) for _ in range(2))
+    layout = ReduceScatterLayout.build([(4096,)], 1)
+    lease = BucketPool(alignment_bytes=4).acquire(4096, ms.bfloat16)
+    packing.pack(lease, [ms.Tensor(first)], layout, host=host)
+    packing.accumulate(lease, [ms.Tensor(second)], layout, host=host)
+    stored = (rne_bfloat16(first.view(np.uint32)).astype(np.uint32) << 16).view(np.float32)
+    want = rne_bfloat16((stored + second).view(np.uint32))
+    twice = rne_bfloat16(((rne_bfloat16(second.view(np.uint32)).astype(np.uint32) << 16)
+                          .view(np.float32) + stored).view(np.uint32))
+    assert (want != twice).any(), "the data must tell the two roundings apart"
+    np.testing.assert_array_equal(bits_of(lease.tensor), want)
+    lease.release()
