@@ -7,7 +7,7 @@ Where each suite runs:
 * started normally: ``copy`` and ``reduce-local`` (world size 1, SingleProcessCommunicator) run in
   this process; with ``--nproc N > 1`` the runner then starts itself on N ranks under msrun
   (``gradpool.launch.run_ranks``) for ``reduce-dist`` only, so the copy timings never share the
-  machine with other ranks; rank 0 hands its rows back through a JSON file.
+  machine with other ranks; rank 0 hands its rows back in its rank report (:mod:`gradpool.app.rank_report`).
 * started by msrun (``gradpool.comm.launched_by_msrun()``; e.g. ``msrun --worker_num=8 ...
   python -m benchmarks run --device Ascend --nproc 8 --out r.json`` on Ascend 910B): every rank
   runs every suite asked for on its own device (``reduce-dist`` over HCCL or MCCL through
@@ -30,6 +30,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
+
+from gradpool.device import SUPPORTED_DEVICES
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ class RunOptions:
     command: Optional[str] = None       # recorded in the JSON; defaults to this process's argv
 
     def __post_init__(self):
-        if self.device not in ("CPU", "Ascend"):
+        if self.device not in SUPPORTED_DEVICES:
             raise BenchmarkError(f"device must be 'CPU' or 'Ascend', got {self.device!r}")
         if not isinstance(self.nproc, int) or self.nproc < 1:
             raise BenchmarkError(f"nproc must be an integer >= 1, got {self.nproc!r}")
@@ -231,7 +233,7 @@ def _finish(results: dict, out: Path) -> None:
 
 # -- CLI ---------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="CPU", choices=("CPU", "Ascend"))
+    parser.add_argument("--device", default="CPU", choices=SUPPORTED_DEVICES)
     parser.add_argument("--nproc", type=int, default=1,
                         help="ranks of the distributed reduce suite (msrun); 1: none")
     parser.add_argument("--out", default="bench-results.json", help="results JSON")

@@ -1,10 +1,9 @@
 """The device target, its memory size, and waiting for queued work on it (PyNative launches ops
-asynchronously)."""
+asynchronously). MindSpore is imported on first use, so the device list costs nothing to read
+(the benchmark report and the config loader need only that)."""
 from __future__ import annotations
 
 import os
-
-import mindspore as ms
 
 SUPPORTED_DEVICES = ("CPU", "Ascend")
 # An Ascend 910B card's HBM (64 GB): no bucket can be larger than the card.
@@ -20,6 +19,7 @@ def device_memory_bytes(device: str) -> int:
 
 
 def device_target() -> str:
+    import mindspore as ms
     return ms.get_context("device_target")
 
 
@@ -29,6 +29,7 @@ def synchronize() -> None:
     ``ms.runtime.synchronize`` serves Ascend only (on CPU it logs "CPU device is not supported"),
     so the CPU backend drains PyNative's launch queue instead."""
     if device_target() == "Ascend":
+        import mindspore as ms
         ms.runtime.synchronize()
     else:
         from mindspore.graph.api import _pynative_executor
