@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 CONFIG ?= configs/deepseek3_tiny.yaml
 ARGS ?= --reference
 
-.PHONY: setup test train bench clean
+.PHONY: setup test train bench clean mutation
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,26 @@ train: setup
 
 bench: setup
 	$(VENV)/bin/gradpool bench --out bench-results.json
+
+# Mutation testing of the core modules (gradpool/{layout,pool,pack,reducer,dtypes}.py) against the
+# fast world-1 tests, configured in pyproject.toml [tool.mutmut]. Not part of `make test`: it is
+# CPU-heavy (hours for the whole core on 2 cores). Runs in a copy of the tree ($(MUTATION_DIR)),
+# so mutmut's mutants/ stays out of the work tree; mutmut keeps its results there and reruns only
+# mutants whose code or tests changed (rm -rf the directory for a fresh run). MUTANTS selects
+# mutants by name pattern, e.g.
+# `make mutation MUTANTS='gradpool.layout.*'` for one module; the survivors are listed at the end
+# and the counts are in $(MUTATION_DIR)/mutants/mutmut-cicd-stats.json.
+MUTATION_DIR ?= /tmp/gradpool-mutation
+MUTANTS ?=
+MUTATION_JOBS ?= 2
+
+mutation: setup
+	mkdir -p $(MUTATION_DIR)
+	cp -r gradpool hyper_parallel tests configs pyproject.toml $(MUTATION_DIR)/
+	cd $(MUTATION_DIR) && $(abspath $(PY)) -m mutmut run --max-children $(MUTATION_JOBS) $(MUTANTS)
+	cd $(MUTATION_DIR) && $(abspath $(PY)) -m mutmut export-cicd-stats
+	cd $(MUTATION_DIR) && $(abspath $(PY)) -m mutmut results
+	cat $(MUTATION_DIR)/mutants/mutmut-cicd-stats.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .benchmarks msrun-logs

@@ -109,6 +109,59 @@ def test_train_one_rank_in_process_with_reference(tmp_path, capsys):
     assert load_config(tmp_path / "config.yaml").launch.ranks == 1
 
 
+def test_train_prints_its_log_directory_before_anything_runs(tmp_path, capsys):
+    code = main(["train", "--config", str(TINY), "--set", "launch.ranks=1", "--set",
+                 "train.steps=1", "--set", f"launch.log_dir={tmp_path / 'run'}"])
+    out = capsys.readouterr().out
+    assert code == EXIT_OK, out
+    lines = out.splitlines()
+    logs = next(i for i, line in enumerate(lines) if line.startswith("gradpool train: logs in "))
+    assert lines[logs] == f"gradpool train: logs in {tmp_path / 'run'}"
+    assert logs < next(i for i, line in enumerate(lines) if line.startswith("step 1/1"))
+
+
+def test_every_rank_logs_its_steps_in_mindformers_style():
+    from gradpool.app.rank_main import step_line
+    from gradpool.app.train import StepRecord
+    cfg = load_config(TINY)
+    record = StepRecord(step=2, loss=4.5, seconds=0.25, bytes_copied=132096, copy_gbps=0.1,
+                        new_allocations=0, high_water_bytes=88576, stall_seconds=0.0)
+    line = step_line(cfg, record, rank=1, world=2)
+    assert re.match(r"^step 3/5 loss 4\.500000 time 250\.0 ms lr 1\.000e-03 rank 1/2 ", line), line
+
+
+def test_job_steps_show_the_slowest_rank_and_every_ranks_allocations():
+    from gradpool.app.job import JobStep
+    rows = [dict(seconds=0.5, bytes_copied=10, copy_gbps=2.0, new_allocations=3,
+                 high_water_bytes=100, stall_seconds=0.0),
+            dict(seconds=0.7, bytes_copied=12, copy_gbps=1.0, new_allocations=4,
+                 high_water_bytes=90, stall_seconds=0.1)]
+    record = JobStep(step=0, loss=1.5, ranks=tuple(rows)).record()
+    assert (record.seconds, record.bytes_copied, record.copy_gbps, record.new_allocations,
+            record.high_water_bytes, record.stall_seconds) == (0.7, 12, 1.0, 7, 100, 0.1)
+
+
+def test_rank_counters_cross_the_all_reduce_exactly():
+    import numpy as np
+    from gradpool.app.rank_main import OUTCOME_FIELDS, encode_row, exchange
+    from gradpool.comm import SingleProcessCommunicator
+    mine = [1, 5, 205, 43, 2 ** 40 + 3, 7, 2 ** 33 + 1, 2 ** 45 + 12345, 0.25, 0.5, 2, 17]
+    theirs = [1, 5, 199, 44, 2 ** 31 - 1, 2 ** 24 + 1, 3, 16777217, 0.125, 0.0, 0, 2 ** 48 - 1]
+    assert exchange(SingleProcessCommunicator(), mine, OUTCOME_FIELDS) == [mine]
+
+    class TwoRanks:                 # rank 0 of 2; the "all-reduce" adds rank 1's slot
+        world_size, rank = 2, 0
+
+        def all_reduce(self, tensor, op):
+            assert op == "sum"
+            view = tensor.asnumpy()                  # shares the tensor's memory on CPU
+            width = view.size // 2
+            view[width:] += np.array(encode_row(theirs, OUTCOME_FIELDS), np.float32)
+            return SingleProcessCommunicator().all_reduce(tensor, op="sum")
+
+    assert exchange(TwoRanks(), mine, OUTCOME_FIELDS) == [mine, theirs]
+
+
 def test_step_records_are_followed_live_from_rank_0s_report(tmp_path, monkeypatch):
     from gradpool.app import job
     from gradpool.app.train import StepRecord

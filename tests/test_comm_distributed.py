@@ -67,3 +67,26 @@ def test_failing_rank_raises_launch_error_within_seconds(tmp_path):
     # nothing it started survives: rank 0's sleep and rank 1's lingering process are gone
     pids = [r.pid for r in result.ranks]
     assert None not in pids and not any(map(pid_alive, pids))
+
+
+def test_a_node_started_without_msrun_reports_and_stops_its_failing_rank(tmp_path):
+    # Node 1 of 2 on the master's host starts its worker itself (no msrun: it would start a
+    # second scheduler). fail_rank1.py imports no MindSpore; its rank 1 exits 3 and lingers.
+    from gradpool.app.launch import NodeSpec, build_node_launch, run_node
+    spec = NodeSpec(world=2, local=1, node_rank=1, nodes=2, master_addr="127.0.0.1",
+                    master_port=29999, cluster_timeout_s=30)
+    node = build_node_launch(spec, DIST_DIR / "fail_rank1.py", log_dir=tmp_path,
+                             master_is_local=True)
+    assert not node.via_msrun
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        run_node(node, timeout=300)
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert message.startswith("rank 1: exit code 3")
+    assert "rank-1-sentinel-4711: failing on purpose" in message and "worker_1.log" in message
+    result = info.value.result
+    assert [r.rank for r in result.ranks] == [1] and result.stopped_for == 1
+    report = result.ranks[0].report
+    assert (report.rank, report.world_size, report.role) == (1, 2, "MS_WORKER")
+    assert elapsed < 30 and not pid_alive(result.ranks[0].pid)

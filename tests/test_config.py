@@ -366,10 +366,19 @@ MODEL_SHAPE_KEYS = {"model.num_heads", "model.hidden_size", "model.num_experts",
                     "model.experts_per_token"}
 
 
+# Tied by cross-key rules (node_rank < nodes, ranks / nodes, devices per node, Ascend-only keys):
+# drawn together by the property test in tests/test_launch_config.py.
+LAUNCH_NODE_KEYS = {"launch.nodes", "launch.node_rank", "launch.ranks_per_node",
+                    "launch.master_addr", "launch.cluster_timeout_s", "launch.env",
+                    "launch.devices", "launch.hccl_if_ip", "launch.hccl_socket_ifname",
+                    "launch.hccl_connect_timeout_s", "launch.hccl_exec_timeout_s",
+                    "launch.hccl_buffsize_mib"}
+
+
 def test_property_strategies_cover_every_key():
     # A key added to the schema must be added to the property test too.
     every = {f"{s}.{k}" for s, keys in known_keys().items() for k in keys}
-    assert set(SIMPLE) | MODEL_SHAPE_KEYS | MESH_KEYS == every
+    assert set(SIMPLE) | MODEL_SHAPE_KEYS | MESH_KEYS | LAUNCH_NODE_KEYS == every
 
 
 @st.composite

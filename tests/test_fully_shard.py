@@ -1,12 +1,15 @@
 """hyper_parallel's fully_shard in one process (world size 1, no msrun): surface, training against
 the unsharded reference, the per-parameter reduce API, and typed errors for bad input."""
 import importlib
+import sys
+from pathlib import Path
 
 import mindspore as ms
 import numpy as np
 import pytest
 from mindspore import Parameter, mint, nn
 
+from gradpool.app.model import TinyDeepSeekV3, make_batch, next_token_loss
 from gradpool.app.train import (build_sharded_model, gathered_params, train_reference,
                                 train_sharded)
 from gradpool import GradPoolConfig
@@ -20,6 +23,11 @@ from hyper_parallel.core.fully_shard.api import HSDPModule, MixedPrecisionPolicy
 from hyper_parallel.core.fully_shard.utils import CPUOffloadPolicy, OffloadPolicy
 from hyper_parallel.platform.mindspore.fully_shard.param import MindSporeHSDPParamV2
 from gradpool.runtime import runtime_for
+
+DIST_DIR = Path(__file__).parent / "distributed"
+sys.path.insert(0, str(DIST_DIR))
+import harness  # noqa: E402
+import fsdp_cases  # noqa: E402  (the rank-side fully_shard cases, here at world size 1)
 
 ms.set_device("CPU")
 FIELD = ["fully_shard.reduce_dtype=float32", "fully_shard.apply_grad_on_fp32_main_grad=true",
@@ -62,6 +70,20 @@ def test_world_one_training_equals_unsharded_reference(extra):
     assert {p.verified_gradients for p in managed} == {cfg.train.steps * cfg.train.micro_steps}
     hsdp_sync_stream()
     assert runtime.pool.stats().fenced_buckets == 0
+
+
+# The distributed fully_shard cases (gradient probe: reduced shard grads and main_grad after one
+# and several micro-steps, per element; training against the exact reference), in one process.
+# One case here (each costs seconds); all of them run at world size 2, some at 4.
+WORLD_1_CASES = ["field_configuration"]
+
+
+@pytest.mark.parametrize("name", WORLD_1_CASES)
+def test_fully_shard_case_world_size_1(name, tmp_path):
+    fsdp_cases.suite.main([str(tmp_path), name])      # outside msrun: SingleProcessCommunicator
+    results = harness.load_results(tmp_path, fsdp_cases.suite.name, nproc=1)
+    assert results.reports[0]["world_size"] == 1
+    results.verify(name)
 
 
 class TwoLayer(nn.Cell):
@@ -187,28 +209,52 @@ def test_failed_reduce_leaves_no_lease_behind():
     assert pool.stats().live_leases == 0
 
 
-def test_training_correct_when_collectives_complete_late(monkeypatch):
-    """Every collective completes 20 ms after launch: input buckets stay fenced while the next
-    gradients are packed, so the pool must hand out other buckets; with poison on, a reuse
-    before completion would turn the result NaN."""
+@pytest.mark.parametrize("fusion", [["fully_shard.comm_fusion=false"],
+                                    ["fully_shard.comm_fusion=true", "gradpool.bucket_cap_mib=0.01"]],
+                         ids=["per_gradient", "fused_small_buckets"])
+def test_training_correct_when_collectives_complete_late(monkeypatch, fusion):
+    """Every collective runs at wait(), 20 ms after launch at the earliest, and reads its input
+    bucket then, like a real asynchronous collective. A unit packs and launches bucket after
+    bucket before it waits, so each input bucket must stay fenced while the next is packed: one
+    handed out early is overwritten by the next gradient (or poisoned with NaN) before its
+    collective reads it, and the gradients, the losses and the parameters come out wrong."""
     from gradpool import runtime as runtime_module
-    monkeypatch.setattr(runtime_module, "communicator_for", lambda device: (
-        FaultInjectingCommunicator(SingleProcessCommunicator(), delay_seconds=0.02)))
+    made = []
+
+    def late(device=None, group=None):
+        made.append(FaultInjectingCommunicator(SingleProcessCommunicator(), delay_seconds=0.02,
+                                               read_input_at="wait"))
+        return made[-1]
+
+    monkeypatch.setattr(runtime_module, "communicator_for", late)
     runtime_module.reset_runtimes()
-    cfg = from_dict({}, FIELD + ["train.steps=2", "fully_shard.comm_fusion=true",
-                                 "gradpool.max_buckets_in_flight=null"])
+    cfg = from_dict({}, FIELD + ["train.steps=2", "gradpool.max_buckets_in_flight=null"] + fusion)
     try:
         model = build_sharded_model(cfg)
         runtime = runtime_for(cfg.gradpool)
-        assert isinstance(runtime.comm, FaultInjectingCommunicator)
+        assert runtime.comm is made[0]
+        ref = TinyDeepSeekV3(cfg.model, seed=cfg.train.seed)
+        _, ref_grads = ms.value_and_grad(lambda t: next_token_loss(ref, t), None,
+                                         ref.trainable_params())(make_batch(cfg.model, 0,
+                                                                            seed=cfg.train.seed))
+        params = model.trainable_params()
+        grad_fn = ms.value_and_grad(lambda t: next_token_loss(model, t), None, params)
+        _, grads = grad_fn(make_batch(cfg.model, 0, seed=cfg.train.seed))
+        assert made[0].launch_counts["reduce_scatter"] > 3      # several buckets per unit
+        # the values first: an early reuse of an input bucket shows as wrong (or NaN) gradients
+        for param, got, want in zip(params, grads, ref_grads):
+            np.testing.assert_array_equal(got.asnumpy(), want.asnumpy(), err_msg=param.name)
+            np.testing.assert_array_equal(param.main_grad.asnumpy(), want.asnumpy(),
+                                          err_msg=param.name)
+        model.zero_grad()
         records = train_sharded(cfg, model, runtime.comm, runtime.pool)
     finally:
         runtime_module.reset_runtimes()
     ref_losses, ref_params = train_reference(cfg, world=1)
-    np.testing.assert_allclose([r.loss for r in records], ref_losses, rtol=1e-6)
+    np.testing.assert_array_equal([r.loss for r in records], ref_losses)
     got = gathered_params(model)
     for name, want in ref_params.items():
-        np.testing.assert_allclose(got[name], want, rtol=1e-6, atol=1e-7, err_msg=name)
+        np.testing.assert_array_equal(got[name], want, err_msg=name)
 
 
 # -- bad input --------------------------------------------------------------------------------

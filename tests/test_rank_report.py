@@ -264,3 +264,27 @@ def test_load_results_reads_the_suite_from_the_reports(tmp_path, no_launch):
         harness.load_results(tmp_path, "other", nproc=1)
     with pytest.raises(AssertionError, match="rank 1 wrote no results"):
         harness.load_results(tmp_path, "s", nproc=2)
+
+
+def test_read_ranks_reads_one_nodes_ranks(tmp_path, no_launch):
+    Reporter(tmp_path, rank=9, world_size=16)
+    reports = rank_report.read_ranks(tmp_path, range(8, 10))
+    assert reports[0] is None and reports[1].rank == 9
+
+
+def test_a_launch_watches_fresh_reports_of_other_nodes_only(tmp_path, no_launch):
+    # On a shared filesystem node 0 sees node 1's failing rank (an exit code, since its pid is
+    # another host's) but not a report an earlier run left behind.
+    from gradpool.app.launch import NodeSpec, _Watch, build_node_launch
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    spec = NodeSpec(world=2, local=1, node_rank=0, nodes=2, master_port=29999)
+    launch = build_node_launch(spec, __file__, log_dir=node0, master_is_local=True)
+    watch = _Watch(launch, {1: node1})
+    Reporter(node0, rank=0, world_size=2)                   # this node's rank: running (me)
+    assert watch.dead() is None
+    stale = RankReport(rank=1, world_size=2, pid=_gone_pid(), role="MS_WORKER",
+                       status=EXITED, exit_code=3, started=time.time() - 3600)
+    rank_report.write_report(node1, stale)
+    assert watch.dead() is None                             # an earlier run's: ignored
+    Reporter(node1, rank=1, world_size=2).finish(3)
+    assert watch.dead() == 1

@@ -79,8 +79,11 @@ def grads(dtype=ms.float32, seed=1):
     return cases.make_grads(CTX, SHAPES, dtype, seed)
 
 
-def assert_shards(shards, op, seed, dtype):
-    for shard, full, dim in zip(shards, cases.reduced(CTX, SHAPES, op, [seed]), SHARD_DIMS):
+def assert_shards(shards, op, seed, dtype, shapes=SHAPES):
+    """Exactly the NumPy reference: float32 gradients rounded once into ``dtype``."""
+    fulls = cases.reduced(CTX, shapes, op, [seed], ms.float32, dtype)
+    assert len(shards) == len(fulls)
+    for shard, full, dim in zip(shards, fulls, SHARD_DIMS):
         assert shard.dtype == dtype
         np.testing.assert_array_equal(harness.to_numpy(shard), cases.expected_shard(full, dim, 0, 1))
 
@@ -184,7 +187,7 @@ def test_repeated_reduce_reaches_steady_state(reduce_dtype, in_flight):
             if step % 10 == 0:
                 shards = oldest.wait()
                 assert len(shards) == 3
-                assert_shards(shards, "avg", 3, reduce_dtype)
+                assert_shards(shards, "avg", 3, reduce_dtype, shapes)
             oldest.release()
         if step == in_flight - 1:
             after_first = pool.stats()
@@ -207,7 +210,7 @@ def test_repeated_per_gradient_reduce_allocates_only_once():
         if step in (0, 49):
             shards = result.wait()
             assert len(shards) == 3
-            assert_shards(shards, "sum", 4, ms.float32)
+            assert_shards(shards, "sum", 4, ms.float32, SHAPES[:3])
         result.release()
         if step == 0:
             first = pool.stats()
@@ -221,7 +224,10 @@ def test_zero_copy_borrow_outlives_a_release_before_completion():
     bucket's wait() failed): the borrow is held, with the output bucket's fence, until the
     collective completes; then the pool drops it. The gradient itself is never touched."""
     pool = BucketPool(alignment_bytes=cases.ZC_ALIGN_BYTES, poison_on_release=True)
-    faulty = FaultInjectingCommunicator(SingleProcessCommunicator(), delay_seconds=0.3)
+    # launch mode: the collective has run, so only the reducer and the pool can hold the borrow
+    # (a read_input_at="wait" handle holds its input until it runs). 2 s: gc.collect() on a loaded
+    # machine can take longer than a short delay, and then the handle would already be complete.
+    faulty = FaultInjectingCommunicator(SingleProcessCommunicator(), delay_seconds=2.0)
     red = GradReducer(pool, faulty, ReducerConfig(reduce_dtype=ms.float32, zero_copy=True))
     grad = cases.make_grads(CTX, [cases.IDENTITY_SHAPE], ms.float32, seed=5)[0]
     before = cases.fingerprint(grad)

@@ -2,6 +2,8 @@
 
     gradpool train --config FILE [--set section.key=value ...] [--reference]
     gradpool check-config FILE [FILE ...] [--set section.key=value ...]
+    gradpool launch-cmd --config FILE --node-rank K [--set section.key=value ...]
+    gradpool plan --config FILE [--set ...] [--json] [--hbm-gbps G] [--copy-efficiency F]
     gradpool bench [--device CPU] [--nproc 2] [--out results.json] [--quick]
     gradpool --version
 
@@ -20,7 +22,7 @@ from typing import Optional, Sequence
 
 from gradpool.app.config import RunConfig, dump_yaml, load_config
 from gradpool.device import SUPPORTED_DEVICES
-from gradpool.errors import ConfigError
+from gradpool.errors import ConfigError, InvalidArgumentError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 DEFAULT_REFERENCE_RTOL = 1e-3
@@ -72,6 +74,27 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("files", nargs="+", metavar="FILE", help="run config YAML (one or more)")
     _add_overrides(check)
     check.set_defaults(command=_check_config)
+
+    launch_cmd = command("launch-cmd", help="print the msrun command and environment of one node "
+                                            "(for Slurm, Kubernetes, ...)")
+    launch_cmd.add_argument("--config", required=True, help="run config YAML")
+    launch_cmd.add_argument("--node-rank", type=int, required=True, metavar="K",
+                            help="the node to print (sets launch.node_rank)")
+    _add_overrides(launch_cmd)
+    launch_cmd.set_defaults(command=_launch_cmd)
+
+    plan = command("plan", help="per-rank memory of the reduce path, without a device")
+    plan.add_argument("--config", required=True, help="run config YAML")
+    _add_overrides(plan)
+    plan.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
+    plan.add_argument("--hbm-gbps", type=float, default=None,
+                      help="device memory bandwidth for the copy-time estimate, GB/s (default: "
+                           "the 910B's published 1600)")
+    plan.add_argument("--copy-efficiency", type=float, default=None,
+                      help="fraction of that bandwidth a copy reaches (default 0.7, assumed)")
+    plan.add_argument("--device-memory-gib", type=float, default=None,
+                      help="card memory to compare with (default: 64 on Ascend)")
+    plan.set_defaults(command=_plan)
 
     bench = command("bench", help="copy-overhead and reduce-step benchmarks, then report")
     bench.add_argument("--device", default="CPU", choices=SUPPORTED_DEVICES)
@@ -129,27 +152,71 @@ def _check_config(args) -> int:
     return status
 
 
+def _checked_launch(path: str, overrides: list) -> Optional[RunConfig]:
+    """The config, refused (one line, None) also for what only fails at launch: a privileged or
+    busy port, a master host name that does not resolve (nothing is created before this)."""
+    cfg = _load(path, overrides)
+    if cfg is None:
+        return None
+    from gradpool.app.launch import check_launch
+    try:
+        check_launch(cfg.launch)
+    except ConfigError as exc:
+        print(f"gradpool: config error: {path}: {_one_line(exc)}", file=sys.stderr)
+        return None
+    return cfg
+
+
 # -- train -------------------------------------------------------------------------------------
 def _train(args) -> int:
     _positive("--timeout", args.timeout)
     _positive("--reference-rtol", args.reference_rtol)
-    cfg = _load(args.config, args.overrides)
+    cfg = _checked_launch(args.config, args.overrides)
     if cfg is None:
         return EXIT_USAGE
-    from gradpool.app.job import TrainJobError, compare_with_reference, run_job
+    from gradpool.app.job import TrainJobError, compare_with_reference, prepare_log_dir, run_job
 
     launch = cfg.launch
     where = "in this process" if launch.ranks == 1 else "under msrun"
-    print(f"gradpool train: {launch.ranks} {launch.device} rank(s) {where}, config {args.config}"
-          + (f" with {', '.join(args.overrides)}" if args.overrides else ""), flush=True)
+    if launch.nodes > 1:
+        last = launch.first_rank + launch.local_ranks - 1
+        print(f"gradpool train: node {launch.node_rank} of {launch.nodes}: ranks "
+              f"{launch.first_rank}-{last} of {launch.ranks} {launch.device} rank(s), master "
+              f"{launch.master_addr}:{launch.master_port}, config {args.config}"
+              + (f" with {', '.join(args.overrides)}" if args.overrides else ""), flush=True)
+    else:
+        print(f"gradpool train: {launch.ranks} {launch.device} rank(s) {where}, config "
+              f"{args.config}" + (f" with {', '.join(args.overrides)}" if args.overrides else ""),
+              flush=True)
     try:
-        result = run_job(cfg, on_step=_print_step(cfg.train.steps), timeout=args.timeout)
+        log_dir = prepare_log_dir(cfg)
+    except OSError as exc:
+        print(f"gradpool: config error: {args.config}: launch.log_dir = {launch.log_dir!r} "
+              f"cannot be written ({exc.strerror or exc}); give a writable directory",
+              file=sys.stderr)
+        return EXIT_USAGE
+    # before anything starts: a run that hangs must not hide where its logs are
+    print(f"gradpool train: logs in {log_dir}", flush=True)
+    if launch.ranks > 1 and launch.node_rank == 0:
+        print(f"(step lines: time of the slowest rank; copied, copy rate and high-water per "
+              f"rank, the largest / slowest; new allocations of all {launch.ranks} ranks)",
+              flush=True)
+    try:
+        result = run_job(cfg, on_step=_print_step(cfg.train.steps), timeout=args.timeout,
+                         log_dir=log_dir)
     except TrainJobError as exc:
         print(f"gradpool train: FAILED: {exc.reason}", file=sys.stderr)
         if exc.details:
             print(exc.details, file=sys.stderr)
         return EXIT_FAILED
     print(f"logs and step records in {result.log_dir}")
+    if result.node_rank != 0:
+        print(f"node {result.node_rank}: ranks {', '.join(str(o.rank) for o in result.outcomes)} "
+              f"finished {min(o.steps for o in result.outcomes)} steps each, ok; node 0 prints "
+              "the job's steps and summary")
+        if args.reference:
+            print("reference: run by node 0 only")
+        return EXIT_OK
     _print_summary(result)
     if not args.reference:
         return EXIT_OK
@@ -178,6 +245,9 @@ def _print_step(total: int):
     return show
 
 
+MAX_RANK_LINES = 16        # the summary lists this many ranks one by one, then a range
+
+
 def _print_summary(result) -> None:
     records = result.records
     times = [r.seconds for r in records]
@@ -189,9 +259,27 @@ def _print_summary(result) -> None:
           + f", copied {_bytes(sum(r.bytes_copied for r in records))} in total, "
           f"{after_first} new allocations after step 1, "
           f"pool high-water {_bytes(max((r.high_water_bytes for r in records), default=0))}")
+    ranks = (result.job or {}).get("ranks", [])
+    if len(ranks) > 1:
+        nodes = result.job["nodes"]
+        print(f"ranks: {len(ranks)} on {nodes} node(s), every one ok")
+        for info in ranks[:MAX_RANK_LINES]:
+            print(f"  rank {info['rank']} (node {info['node']}): {info['steps']} steps, pool "
+                  f"high-water {_bytes(info['high_water_bytes'])}, copied "
+                  f"{_bytes(info['bytes_copied'])}, {info['new_allocations']} allocations "
+                  f"({info['reuses']} reuses), stalls {info['stalls']}, "
+                  f"{info['verified_gradients']} gradients verified")
+        if len(ranks) > MAX_RANK_LINES:
+            high = [r["high_water_bytes"] for r in ranks]
+            print(f"  ... {len(ranks) - MAX_RANK_LINES} more; pool high-water from "
+                  f"{_bytes(min(high))} to {_bytes(max(high))}")
     if outcome.verify_gradients:
-        print(f"gradient integrity: {outcome.verified_gradients} gradients verified unchanged "
-              f"after their reduce path (rank 0)")
+        if len(ranks) > 1:
+            print(f"gradient integrity: {sum(r['verified_gradients'] for r in ranks)} gradients "
+                  f"verified unchanged after their reduce path (all {len(ranks)} ranks)")
+        else:
+            print(f"gradient integrity: {outcome.verified_gradients} gradients verified "
+                  f"unchanged after their reduce path (rank 0)")
     else:
         print("gradient integrity: not verified (gradpool.verify_gradients is false)")
 
@@ -201,6 +289,61 @@ def _bytes(n: float) -> str:
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"
+
+
+# -- launch-cmd --------------------------------------------------------------------------------
+def _launch_cmd(args) -> int:
+    """The commands ``gradpool train`` would run on node K, for a scheduler that starts them."""
+    import shlex
+    overrides = [*args.overrides, f"launch.node_rank={args.node_rank}"]
+    cfg = _load(args.config, overrides)
+    if cfg is None:
+        return EXIT_USAGE
+    from pathlib import PurePath
+    from gradpool.app.job import node_dir, node_launch
+
+    launch = cfg.launch
+    base = launch.log_dir or "gradpool-logs"
+    log_dir = Path(node_dir(base, launch.node_rank) if launch.nodes > 1 else base)
+    node = node_launch(cfg, log_dir)
+    print(f"# gradpool launch-cmd: {args.config}, node {launch.node_rank} of {launch.nodes}")
+    if launch.log_dir is None:
+        print(f"# launch.log_dir is null: the commands use ./{PurePath(base)}")
+    if launch.master_port is None:
+        print(f"# launch.master_port is null: picked {node.spec.master_port}, free on this host "
+              "now")
+    # the ranks load the resolved config, exactly as gradpool train writes it
+    check = [sys.executable, "-m", "gradpool", "check-config", args.config]
+    for item in overrides:
+        check += ["--set", item]
+    print(f"mkdir -p {shlex.quote(str(log_dir))}")
+    print(f"{shlex.join(check)} > {shlex.quote(str(log_dir / 'config.yaml'))}")
+    print(node.shell())
+    return EXIT_OK
+
+
+# -- plan --------------------------------------------------------------------------------------
+def _plan(args) -> int:
+    import json
+    from gradpool.app.plan import PlanOptions, format_plan, plan_memory
+
+    cfg = _load(args.config, args.overrides)
+    if cfg is None:
+        return EXIT_USAGE
+    given = {name: value for name, value in (("hbm_gbps", args.hbm_gbps),
+                                             ("copy_efficiency", args.copy_efficiency),
+                                             ("device_memory_gib", args.device_memory_gib))
+             if value is not None}
+    try:
+        options = PlanOptions(**given)
+    except InvalidArgumentError as exc:
+        raise _UsageError(f"--{_one_line(exc).replace('_', '-', 2)}") from None
+    plan = plan_memory(cfg, options)
+    if args.json:
+        print(json.dumps({"config": args.config, **plan.to_dict()}, indent=2))
+    else:
+        print(format_plan(plan, args.config))
+    return EXIT_OK
 
 
 # -- bench -------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import ipaddress
 import math
 import os
 import re
@@ -193,6 +194,58 @@ class ListOf:
         return items
 
 
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class EnvValue:
+    """An environment variable's value: a string, or a number written without quotes (YAML reads
+    ``HCCL_BUFFSIZE: 200`` as an int). Bools and null are refused: YAML 1.1 turns ``on``/``no``
+    into bools, and the process would see ``True``."""
+
+    def describe(self) -> str:
+        return "a string or a number"
+
+    def coerce(self, value: Any, lenient: bool) -> str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and math.isfinite(value):
+            return str(value)
+        raise _Reject()
+
+
+@dataclass(frozen=True)
+class EnvMapping:
+    """A YAML mapping of environment variable names to values; stored as a tuple of
+    ``(name, value)`` pairs (hashable, in the order written)."""
+
+    value: Any = EnvValue()
+
+    def describe(self) -> str:
+        return "a mapping of environment variable names to strings or numbers"
+
+    def coerce(self, value: Any, lenient: bool) -> tuple:
+        if isinstance(value, Mapping):
+            items = list(value.items())
+        elif isinstance(value, (tuple, list)) and all(
+                isinstance(item, (tuple, list)) and len(item) == 2 for item in value):
+            items = [tuple(item) for item in value]      # the stored form, built in code
+        else:
+            raise _Reject()
+        out = []
+        for name, item in items:
+            if not isinstance(name, str) or not _ENV_NAME.match(name):
+                raise _Reject(f"{name!r} is not an environment variable name")
+            try:
+                out.append((name, self.value.coerce(item, lenient)))
+            except _Reject:
+                raise _Reject(f"{name} = {item!r} is not {self.value.describe()}") from None
+        if len({name for name, _ in out}) != len(out):
+            raise _Reject("a name repeats")
+        return tuple(out)
+
+
 def _key(default: Any, rule: Any):
     """A config key: its default and the rule its values obey."""
     return field(default=default, metadata={"rule": rule})
@@ -316,21 +369,153 @@ class TrainConfig(_Section):
     optimizer: str = _key("adam", Choice(("adam", "sgd")))
 
 
+# Set by the launcher itself on every rank (msrun's dynamic-cluster variables, the rank report,
+# the card list): a value in launch.env would fight it, so it is refused there.
+LAUNCHER_ENV = ("MS_ROLE", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_WORKER_NUM", "MS_NODE_ID",
+                "MS_TOPO_TIMEOUT", "RANK_ID", "RANK_SIZE", "DEVICE_ID",
+                "GRADPOOL_RANK_REPORT_DIR")
+# launch.<key> -> the CANN environment variable it sets (HCCL, Ascend only). Names and ranges
+# from the CANN 9.x environment-variable reference (HCCL_CONNECT_TIMEOUT is [120, 7200] s,
+# HCCL_EXEC_TIMEOUT [0, 2147483647] s on Atlas A2 with 0 = never, HCCL_BUFFSIZE >= 1 MB per
+# communicator and direction).
+HCCL_ENV = {"hccl_if_ip": "HCCL_IF_IP", "hccl_socket_ifname": "HCCL_SOCKET_IFNAME",
+            "hccl_connect_timeout_s": "HCCL_CONNECT_TIMEOUT",
+            "hccl_exec_timeout_s": "HCCL_EXEC_TIMEOUT", "hccl_buffsize_mib": "HCCL_BUFFSIZE"}
+ASCEND_VISIBLE_DEVICES = "ASCEND_RT_VISIBLE_DEVICES"
+DEFAULT_CLUSTER_TIMEOUT_S = 600         # msrun's own default for --cluster_time_out
+
+
 @dataclass(frozen=True)
 class LaunchConfig(_Section):
+    """Where and how the ranks run. One node: ``ranks`` processes on this host. ``nodes > 1``:
+    every node runs ``gradpool train`` with its own ``node_rank``; each starts
+    ``ranks_per_node`` ranks (global ranks ``node_rank * ranks_per_node + i``) through msrun."""
+
     SECTION = "launch"
-    ranks: int = _key(2, Int(minimum=1))              # processes, one device each
+    ranks: int = _key(2, Int(minimum=1))              # processes, one device each (msrun worker_num)
     device: str = _key("CPU", Choice(SUPPORTED_DEVICES))
     master_port: Optional[int] = _key(None, Int(minimum=1, maximum=65535, nullable=True))
     log_dir: Optional[str] = _key(None, Text(nullable=True))   # null: a temporary one
+    nodes: int = _key(1, Int(minimum=1))
+    node_rank: int = _key(0, Int(minimum=0))          # this node (0 runs msrun's scheduler)
+    ranks_per_node: Optional[int] = _key(None, Int(minimum=1, nullable=True))   # null: ranks/nodes
+    master_addr: str = _key("127.0.0.1", Text())      # node 0's address (IP or host name)
+    cluster_timeout_s: int = _key(DEFAULT_CLUSTER_TIMEOUT_S, Int(minimum=1))
+    env: tuple = _key((), EnvMapping())               # added to every rank's environment
+    devices: Optional[tuple] = _key(None, ListOf(Int(minimum=0), nullable=True, unique=True))
+    hccl_if_ip: Optional[str] = _key(None, Text(nullable=True))
+    hccl_socket_ifname: Optional[str] = _key(None, Text(nullable=True))
+    hccl_connect_timeout_s: Optional[int] = _key(None, Int(minimum=120, maximum=7200,
+                                                           nullable=True))
+    hccl_exec_timeout_s: Optional[int] = _key(None, Int(minimum=0, maximum=2 ** 31 - 1,
+                                                        nullable=True))
+    hccl_buffsize_mib: Optional[int] = _key(None, Int(minimum=1, nullable=True))
+
+    @property
+    def local_ranks(self) -> int:
+        """Ranks this node starts (msrun's ``local_worker_num``)."""
+        return self.ranks_per_node if self.ranks_per_node is not None else self.ranks // self.nodes
+
+    @property
+    def first_rank(self) -> int:
+        return self.node_rank * self.local_ranks
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.local_ranks
+
+    def rank_env(self) -> dict:
+        """What every rank of this node gets in its environment from this section."""
+        env = dict(self.env)
+        if self.devices is not None:
+            env[ASCEND_VISIBLE_DEVICES] = ",".join(map(str, self.devices))
+        for key, name in HCCL_ENV.items():
+            value = getattr(self, key)
+            if value is not None:
+                env[name] = str(value)
+        return env
+
+    def _refuse(self, source: str, key: str, message: str, allowed: str) -> None:
+        value = getattr(self, key)
+        shown = list(value) if isinstance(value, tuple) else value     # as the file wrote it
+        raise ConfigValueError(f"{source}: launch.{key} = {shown!r} {message}",
+                               key=f"launch.{key}", given=value, allowed=allowed)
 
     def _check_together(self, source: str) -> None:
         bound = max_ranks(self.device)
-        if self.ranks > bound:
+        if self.nodes == 1 and self.ranks > bound:
             raise ConfigValueError(
                 f"{source}: launch.ranks = {self.ranks} is more than one machine runs on "
                 f"{self.device} ({bound}); lower it", key="launch.ranks", given=self.ranks,
                 allowed=f"an integer in [1, {bound}]")
+        if self.node_rank >= self.nodes:
+            self._refuse(source, "node_rank", f"is out of range for launch.nodes = {self.nodes}; "
+                         f"nodes are numbered 0 to {self.nodes - 1}",
+                         f"an integer in [0, {self.nodes - 1}]")
+        if self.ranks_per_node is None and self.ranks % self.nodes:
+            self._refuse(source, "nodes", f"does not divide launch.ranks = {self.ranks}: msrun "
+                         "starts the same number of ranks on every node",
+                         f"a divisor of {self.ranks}")
+        if self.ranks_per_node is not None and self.ranks_per_node * self.nodes != self.ranks:
+            self._refuse(source, "ranks_per_node", f"times launch.nodes = {self.nodes} is not "
+                         f"launch.ranks = {self.ranks}; every node runs ranks / nodes ranks "
+                         "(or set it to null)",
+                         f"{self.ranks // self.nodes if self.ranks % self.nodes == 0 else 'null'}")
+        if self.local_ranks > bound:
+            self._refuse(source, "ranks_per_node" if self.ranks_per_node is not None else "ranks",
+                         f"gives {self.local_ranks} ranks per node, more than one machine runs "
+                         f"on {self.device} ({bound}); add nodes",
+                         f"at most {bound} ranks per node")
+        if self.nodes > 1 and self.master_port is None:
+            self._refuse(source, "master_port", f"(pick a free one) cannot work with launch.nodes "
+                         f"= {self.nodes}: every node must name the same port of node 0",
+                         "an integer in [1024, 65535]")
+        if not _is_host(self.master_addr):
+            self._refuse(source, "master_addr", "is neither an IP address nor a host name",
+                         "an IP address or a host name")
+        self._check_ascend_keys(source)
+        for name, _ in self.env:
+            taken = {v: k for k, v in HCCL_ENV.items()}
+            if name in LAUNCHER_ENV or name == ASCEND_VISIBLE_DEVICES or name in taken:
+                own = (f"launch.{taken[name]}" if name in taken else
+                       "launch.devices" if name == ASCEND_VISIBLE_DEVICES else None)
+                hint = f"set {own} instead" if own else "the launcher sets it for every rank"
+                raise ConfigValueError(
+                    f"{source}: launch.env sets {name}, which it may not: {hint}",
+                    key="launch.env", given=name, allowed="any other variable")
+
+    def _check_ascend_keys(self, source: str) -> None:
+        ascend_only = ["devices", *HCCL_ENV]
+        if self.device != "Ascend":
+            for key in ascend_only:
+                if getattr(self, key) is not None:
+                    self._refuse(source, key, f"only applies to launch.device = Ascend (this run "
+                                 f"is on {self.device}); set it to null", "null on CPU")
+            return
+        if self.devices is not None and len(self.devices) != self.local_ranks:
+            self._refuse(source, "devices", f"names {len(self.devices)} card(s), but this node "
+                         f"runs {self.local_ranks} rank(s) (launch.ranks / launch.nodes); give "
+                         "one card id per rank", f"a list of {self.local_ranks} card ids")
+        if self.hccl_if_ip is not None:
+            try:
+                ipaddress.ip_address(self.hccl_if_ip)
+            except ValueError:
+                self._refuse(source, "hccl_if_ip", "is not an IPv4 or IPv6 address (HCCL_IF_IP "
+                             "takes one host NIC address)", "an IP address")
+
+
+_HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+
+
+def _is_host(text: str) -> bool:
+    """An IP address, or a syntactically valid DNS host name (RFC 1123); whether the name
+    resolves is checked when a node launches (``gradpool.app.launch.check_launch``)."""
+    try:
+        ipaddress.ip_address(text.strip("[]"))
+        return True
+    except ValueError:
+        pass
+    name = text[:-1] if text.endswith(".") else text
+    return 0 < len(name) <= 253 and all(_HOST_LABEL.match(part) for part in name.split("."))
 
 
 # One host's sensible number of ranks: a few per core on CPU (correctness runs oversubscribe),
@@ -377,9 +562,16 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         """Plain nested dict of builtins; ``from_dict(cfg.to_dict()) == cfg``."""
-        return {name: {key: list(value) if isinstance(value, tuple) else value
+        return {name: {key: _plain(_rules(name)[key], value)
                        for key, value in dataclasses.asdict(getattr(self, name)).items()}
                 for name in _SECTIONS}
+
+
+def _plain(rule: Any, value: Any) -> Any:
+    """A stored value as YAML builtins (tuples back to lists, pair tuples back to a mapping)."""
+    if isinstance(rule, EnvMapping):
+        return {name: item for name, item in value}
+    return list(value) if isinstance(value, tuple) else value
 
 
 def known_keys() -> dict:
@@ -471,6 +663,8 @@ def parse_override(text: str) -> Override:
     value = _parse_yaml(raw_value.strip(), source) if raw_value.strip() else None
     if isinstance(value, list) and isinstance(_rules(section)[key], ListOf):
         return Override(section, key, value, text)       # e.g. fully_shard.mesh_shape=[2,2]
+    if isinstance(value, dict) and isinstance(_rules(section)[key], EnvMapping):
+        return Override(section, key, value, text)       # e.g. launch.env={HCCL_DETERMINISTIC: 1}
     if isinstance(value, (dict, list)):
         raise OverrideSyntaxError(
             f"{source}: value {raw_value.strip()!r} is a {type(value).__name__}; overrides take "

@@ -24,6 +24,7 @@ backward on CPU. Nothing here writes into a tensor in place.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Dict
 
 import mindspore as ms
@@ -206,6 +207,47 @@ class TinyDeepSeekV3(nn.Cell):
     def loss(self, tokens: Tensor) -> Tensor:
         """Mean next-token cross-entropy of ``tokens`` [batch, seq_len + 1] (see make_batch)."""
         return next_token_loss(self, tokens)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One trainable parameter of :class:`TinyDeepSeekV3`, known without building the model.
+
+    ``unit`` is the ``fully_shard`` unit :func:`gradpool.app.train.build_sharded_model` puts it
+    in: ``"layers.<i>"`` for a decoder layer's parameters, ``"root"`` for the rest."""
+
+    name: str
+    shape: tuple
+    unit: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def parameter_specs(cfg: ModelConfig) -> list:
+    """Every trainable parameter of ``TinyDeepSeekV3(cfg)``: name, shape and unit, in the order
+    ``model.trainable_params()`` lists them (the root's own parameters, then each layer's, then
+    the final norm), computed from ``cfg`` alone: a memory plan at a scale no host could build
+    uses it (``gradpool plan``). ``tests/test_plan.py`` proves it equal to the built model's."""
+    if not isinstance(cfg, ModelConfig):
+        raise InvalidArgumentError(
+            f"parameter_specs needs a gradpool.config.ModelConfig, got {type(cfg).__name__}")
+    hidden, inner = cfg.hidden_size, cfg.expert_hidden
+    specs = [ParamSpec("embed", (cfg.vocab_size, hidden), "root"),
+             ParamSpec("head", (cfg.vocab_size, hidden), "root")]
+    for index in range(cfg.num_layers):
+        unit = f"layers.{index}"
+        layer = [("attn_norm.weight", (hidden,))]
+        layer += [(f"attn.{name}", (hidden, hidden)) for name in "qkvo"]
+        layer += [("moe_norm.weight", (hidden,)), ("moe.router", (hidden, cfg.num_experts))]
+        for expert in range(cfg.num_experts):
+            layer += [(f"moe.experts.{expert}.gate", (hidden, inner)),
+                      (f"moe.experts.{expert}.up", (hidden, inner)),
+                      (f"moe.experts.{expert}.down", (inner, hidden))]
+        specs += [ParamSpec(f"{unit}.{name}", shape, unit) for name, shape in layer]
+    specs.append(ParamSpec("final_norm.weight", (hidden,), "root"))
+    return specs
 
 
 def next_token_loss(model: TinyDeepSeekV3, tokens: Tensor) -> Tensor:

@@ -12,7 +12,18 @@ rank trains exactly what the launcher printed. Each rank publishes into its rank
 * ``results["steps"]``: the :class:`~gradpool.app.train.StepRecord` dicts so far, republished as
   each step ends (the launcher polls rank 0's report to print steps while the run is going);
 * ``results["outcome"]``: a :class:`RankOutcome`: status, error (type and message) if the run
-  failed, the pool's final statistics and how many gradients were verified intact.
+  failed, the pool's final statistics and how many gradients were verified intact;
+* on rank 0 only, the whole job as rank 0 learns it from the other ranks through one small
+  all-reduce per step (so node 0 can show every node's ranks without a shared filesystem):
+  ``results["job_steps"]`` (one entry per step: the mean loss and each rank's time and pool
+  counters) and, once every rank has finished, ``results["job"]`` (each rank's outcome and pool
+  statistics).
+
+Every rank also prints one line per step into its own log (msrun's ``worker_<rank>.log``), as
+mindformers does: ``step 3/5 loss 4.537 time 912.4 ms lr 1.000e-03 ...``.
+
+A cluster that does not form (a node that never came up, within ``launch.cluster_timeout_s``) is
+recorded as a ``ClusterFormationError`` outcome naming the timeout, not as MindSpore's traceback.
 
 A failure the run itself detects (a non-finite loss, a gradient the reduce path received that was
 changed or freed: :class:`~gradpool.errors.GradientIntegrityError`) or any other exception is
@@ -25,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -32,17 +44,33 @@ from typing import Callable, Optional, Sequence
 
 import mindspore as ms
 
+import numpy as np
+
 from gradpool.app import rank_report
 from gradpool.app.train import NonFiniteLossError, build_sharded_model, train_sharded
 from gradpool.comm import init_distributed
 from gradpool.app.config import RunConfig, load_config
-from gradpool.errors import GradientIntegrityError, InvalidArgumentError
+from gradpool.errors import GradientIntegrityError, GradPoolError, InvalidArgumentError
 from gradpool.runtime import runtime_for
 
 logger = logging.getLogger(__name__)
 
 STATUS_OK, STATUS_FAILED = "ok", "failed"
 STEPS, OUTCOME = "steps", "outcome"      # the keys of this program's rank report results
+JOB_STEPS, JOB = "job_steps", "job"      # rank 0 only: every rank's step counters, outcomes
+# What each rank tells rank 0 per step, and once at the end ("int" values travel exactly).
+STEP_FIELDS = (("seconds", float), ("bytes_copied", int), ("copy_gbps", float),
+               ("new_allocations", int), ("high_water_bytes", int), ("stall_seconds", float))
+OUTCOME_FIELDS = (("ok", int), ("steps", int), ("verified_gradients", int),
+                  ("new_allocations", int), ("reuses", int), ("bytes_reserved", int),
+                  ("high_water_bytes", int), ("bytes_copied", int), ("copy_seconds", float),
+                  ("stall_seconds", float), ("stalls", int), ("padding_bytes", int))
+_DIGIT = 2 ** 16            # ints cross the float32 all-reduce as base-2^16 digits: exact
+_DIGITS = 4
+
+
+class ClusterFormationError(GradPoolError, RuntimeError):
+    """MindSpore's cluster did not form: not every rank reached the scheduler in time."""
 
 
 @dataclass
@@ -71,13 +99,20 @@ class RankOutcome:
         return cls(**data)
 
 
-def run_rank(cfg: RunConfig, out_dir, on_step: Optional[Callable] = None) -> RankOutcome:
+def run_rank(cfg: RunConfig, out_dir, on_step: Optional[Callable] = None,
+             log_steps: bool = False) -> RankOutcome:
     """Train this process's rank (MindSpore's device must be set already), publishing its steps
-    and outcome in its rank report.
+    and outcome in its rank report; ``log_steps`` prints each step's line to stdout (the rank's
+    log under msrun).
 
     Never raises for a training failure: the returned outcome (also published) says what went
     wrong."""
-    rank, world = init_distributed()
+    try:
+        rank, world = init_distributed()
+    except RuntimeError as exc:
+        if os.environ.get("MS_ROLE") == "MS_SCHED":
+            raise       # msrun's scheduler is no rank: its failure is msrun's to report
+        return _cluster_failed(cfg, out_dir, exc)
     reporter = rank_report.reporter_for(out_dir, rank, world)
     outcome = RankOutcome(rank=rank, world_size=world,
                           verify_gradients=cfg.gradpool.verify_gradients)
@@ -96,6 +131,15 @@ def run_rank(cfg: RunConfig, out_dir, on_step: Optional[Callable] = None) -> Ran
             steps.append(dataclasses.asdict(record))
             reporter.publish(STEPS, steps)
             outcome.steps = record.step + 1
+            if log_steps:
+                print(step_line(cfg, record, rank, world), flush=True)
+            # every rank reaches this point of every step: rank 0 learns everyone's counters
+            rows = exchange(runtime.comm, [getattr(record, n) for n, _ in STEP_FIELDS],
+                            STEP_FIELDS)
+            if rank == 0:
+                reporter.publish_entry(JOB_STEPS, str(record.step), {
+                    "step": record.step, "loss": record.loss,
+                    "ranks": [dict(zip((n for n, _ in STEP_FIELDS), row)) for row in rows]})
             if on_step is not None:
                 on_step(record)
         train_sharded(cfg, model, runtime.comm, runtime.pool, on_step=write)
@@ -113,6 +157,93 @@ def run_rank(cfg: RunConfig, out_dir, on_step: Optional[Callable] = None) -> Ran
             getattr(getattr(p, "hsdp_param", None), "verified_gradients", 0)
             for p in model.trainable_params())
     reporter.publish(OUTCOME, dataclasses.asdict(outcome))
+    if outcome.ok:
+        # Published first: a rank that failed never joins this exchange, and the ranks left
+        # waiting in it are stopped by the launcher; their outcome is on file already.
+        _publish_job(cfg, reporter, runtime.comm, outcome)
+    return outcome
+
+
+def step_line(cfg: RunConfig, record, rank: int, world: int) -> str:
+    """One step as the rank's own log shows it (mindformers' ``step i/n loss ... lr ...``)."""
+    return (f"step {record.step + 1}/{cfg.train.steps} loss {record.loss:.6f} "
+            f"time {record.seconds * 1e3:.1f} ms lr {cfg.train.learning_rate:.3e} "
+            f"rank {rank}/{world} copied {record.bytes_copied} B "
+            f"new allocations {record.new_allocations} "
+            f"pool high-water {record.high_water_bytes} B")
+
+
+def exchange(comm, row: Sequence, fields: Sequence) -> list:
+    """Every rank's ``row`` (laid out as ``fields``, the same on every rank), on every rank, by
+    one sum all-reduce: each rank fills its own slot and zeros elsewhere. ``int`` fields travel
+    as base-2^16 digits, exact in float32 (counters in bytes pass 2^24); ``float`` ones as
+    float32."""
+    encoded = encode_row(row, fields)
+    if comm.world_size == 1:
+        return [decode_row(encoded, fields)]
+    width = len(encoded)
+    buf = np.zeros(comm.world_size * width, np.float32)
+    buf[comm.rank * width:(comm.rank + 1) * width] = encoded
+    tensor = ms.Tensor(buf)
+    comm.all_reduce(tensor, op="sum").wait()
+    slots = tensor.asnumpy().reshape(comm.world_size, width)
+    return [decode_row(slot, fields) for slot in slots]
+
+
+def encode_row(row: Sequence, fields: Sequence) -> list:
+    encoded: list = []
+    for value, (_, kind) in zip(row, fields):
+        if kind is int:
+            value = int(value)
+            encoded += [float((value // _DIGIT ** i) % _DIGIT) for i in range(_DIGITS)]
+        else:
+            encoded.append(float(value))
+    return encoded
+
+
+def decode_row(slot: Sequence, fields: Sequence) -> list:
+    values, at = [], 0
+    for _, kind in fields:
+        if kind is int:
+            values.append(sum(int(round(float(slot[at + i]))) * _DIGIT ** i
+                              for i in range(_DIGITS)))
+            at += _DIGITS
+        else:
+            values.append(float(slot[at]))
+            at += 1
+    return values
+
+
+def _publish_job(cfg: RunConfig, reporter, comm, outcome: RankOutcome) -> None:
+    pool = outcome.pool
+    mine = [1, outcome.steps, outcome.verified_gradients] + [pool[name] for name, _ in
+                                                            OUTCOME_FIELDS[3:]]
+    rows = exchange(comm, mine, OUTCOME_FIELDS)
+    if outcome.rank != 0:
+        return
+    launch = cfg.launch
+    ranks = [{"rank": r, "node": launch.node_of(r), **dict(zip((n for n, _ in OUTCOME_FIELDS),
+                                                              row))}
+             for r, row in enumerate(rows)]
+    reporter.publish(JOB, {"world": outcome.world_size, "nodes": launch.nodes,
+                           "ranks_per_node": launch.local_ranks, "ranks": ranks})
+
+
+def _cluster_failed(cfg: RunConfig, out_dir, exc: RuntimeError) -> RankOutcome:
+    """``communication.init()`` gave up: the cluster did not form in time. Recorded in this
+    rank's report (msrun exported its rank) with a message that says what to check."""
+    rank = int(os.environ.get("RANK_ID", 0))
+    world = int(os.environ.get("MS_WORKER_NUM", cfg.launch.ranks))
+    launch = cfg.launch
+    text = " ".join(str(exc).split())
+    first = text.split(". ", 1)[0].rstrip(".") + "."       # MindSpore's first sentence
+    peers = ("; the other nodes must run `gradpool train` with their own launch.node_rank, "
+             f"and reach {launch.master_addr}:{launch.master_port}" if launch.nodes > 1 else "")
+    message = (f"the cluster of {world} ranks did not form within launch.cluster_timeout_s = "
+               f"{launch.cluster_timeout_s} s (MindSpore: {first}){peers}")
+    outcome = RankOutcome(rank=rank, world_size=world, status=STATUS_FAILED,
+                          error_type=ClusterFormationError.__name__, error_message=message)
+    rank_report.reporter_for(out_dir, rank, world).publish(OUTCOME, dataclasses.asdict(outcome))
     return outcome
 
 
@@ -121,18 +252,26 @@ def _expected(exc: Exception) -> bool:
     return isinstance(exc, (NonFiniteLossError, GradientIntegrityError))
 
 
+def read_job_steps(report) -> list:
+    """Rank 0's ``job_steps`` entries, in step order (empty before the first step ends)."""
+    entries = report.results.get(JOB_STEPS, {}) if report is not None else {}
+    return [entries[key] for key in sorted(entries, key=int)]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gradpool.app.rank_main",
                                      description="One rank of `gradpool train`.")
     parser.add_argument("--config", required=True, help="resolved YAML written by the launcher")
     parser.add_argument("--out-dir", required=True, help="where step records and outcome go")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="SECTION.KEY=VALUE", help="override one config key")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, args.overrides)
     ms.set_device(cfg.launch.device)
     # Under msrun the scheduler process runs this too; it serves the cluster inside
     # init_distributed() (called first thing in run_rank) and never gets past it.
-    outcome = run_rank(cfg, args.out_dir)
+    outcome = run_rank(cfg, args.out_dir, log_steps=True)
     if not outcome.ok:
         print(f"gradpool train: {outcome.describe_error()}", file=sys.stderr, flush=True)
         return 1

@@ -21,6 +21,7 @@ Rank side::
 Launching side::
 
     rank_report.read_reports(out_dir, nranks)   # one RankReport (or None: wrote nothing) per rank
+    rank_report.read_ranks(node_dir, range(8, 16))   # one node's ranks of a multi-node job
 
 Under ``gradpool.app.launch.run_ranks`` the launcher names the directory in
 ``$GRADPOOL_RANK_REPORT_DIR`` and ``gradpool.app._rank_entry`` writes the start and exit records
@@ -116,7 +117,12 @@ def read_report(directory, rank: int, results: bool = True) -> Optional[RankRepo
 
 def read_reports(directory, nranks: int, results: bool = True) -> list:
     """``[read_report(directory, r, results) for r in range(nranks)]``."""
-    return [read_report(directory, rank, results) for rank in range(nranks)]
+    return read_ranks(directory, range(nranks), results)
+
+
+def read_ranks(directory, ranks, results: bool = True) -> list:
+    """The reports of ``ranks`` (e.g. one node's: ``range(first, first + local)``), in order."""
+    return [read_report(directory, rank, results) for rank in ranks]
 
 
 def remove_reports(directory) -> None:

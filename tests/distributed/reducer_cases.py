@@ -4,10 +4,14 @@ and, one case per test, in-process with world size 1 (tests/test_reducer.py).
 Usage: ``python -m gradpool.launch --nproc 2 tests/distributed/reducer_cases.py OUT_DIR [CASE ...]``.
 
 Every case is world-size agnostic: each rank builds every rank's gradients from a seed, so it
-computes the NumPy reference of the whole reduction itself (sum over ranks, ``avg`` divides by the
-world size; rank r's shard is chunk r of the shard dim padded up to a multiple of W, padding 0).
-Gradient values are multiples of 1/8 in [-8, 8): sums over a few ranks and micro-steps, and
-halves of them, are exact in float16 and bfloat16, so the references are exact in every dtype.
+computes the NumPy reference of the whole reduction itself (rank r's shard is chunk r of the shard
+dim padded up to a multiple of W, padding 0). Gradient values are random standard-normal float32,
+not exact in float16 or bfloat16, so a pack that rounds, truncates or drops a value shows. The
+reference rounds exactly as the reduce path must (:mod:`npref`): each gradient cast to its dtype
+and then to the reduce dtype (nearest even), micro-steps added in float32 and rounded once into the
+bucket, ranks summed in the wire dtype (float32 for bfloat16) and, for ``avg``, divided by W there,
+then rounded to the reduce dtype. With two ranks the sum has one order, so every value check is
+exact (rtol = atol = 0).
 
 Every case also checks the caller's side of the contract: after ``wait()`` (and after release,
 ``wait_all`` and ``trim``) each gradient still has its full storage and its original bytes.
@@ -16,7 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -30,11 +36,14 @@ from gradpool.pool import BucketPool
 from gradpool.reducer import GradReducer, ReducerConfig
 from harness import Context, Suite, allclose, equal, raises
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # tests/: npref
+from npref import add_rounded, name_of, normal, np_chunk, reduce_over_ranks, round_to  # noqa: E402
+
 suite = Suite("reducer")
 
 DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 REDUCE_DTYPES = ("float32", "float16", "bfloat16")
-GRAD_DTYPES = ("float32", "bfloat16")
+GRAD_DTYPES = ("float32", "float16", "bfloat16")
 OPS = ("sum", "avg")
 # Odd dim 0 (uneven shards for W=2), a 3-D gradient, two Shard(1)-style gradients (one with an odd
 # dim 1) and one (8, 4) that splits evenly.
@@ -48,12 +57,16 @@ MODES = ("pergrad", "fused", "fused_small_cap")
 HOST_COPIES = True
 DELAY = 0.5     # seconds a FaultInjectingCommunicator handle stays "in flight" (a wide margin
                 # over the few ms of local work the fence checks below rely on)
+# The fence cases use collectives that read their input at wait(), like a real asynchronous one:
+# an input bucket handed out again before its collective ran would be reduced with the wrong data.
+LATE = "wait"
 
 
 # -- data and references ---------------------------------------------------------------------------
 def grad_values(rank: int, shapes, seed: int) -> list[np.ndarray]:
+    """Rank ``rank``'s gradient values of micro-step ``seed`` (float32, standard normal)."""
     rng = np.random.default_rng(10_000 * seed + rank)
-    return [rng.integers(-64, 64, size=shape).astype(np.float64) / 8 for shape in shapes]
+    return [normal(rng, shape) for shape in shapes]
 
 
 def to_tensor(values: np.ndarray, dtype) -> ms.Tensor:
@@ -67,23 +80,49 @@ def make_grads(ctx: Context, shapes, dtypes, seed: int) -> list[ms.Tensor]:
     return [to_tensor(v, d) for v, d in zip(grad_values(ctx.rank, shapes, seed), dtypes)]
 
 
-def reduced(ctx: Context, shapes, op: str, seeds) -> list[np.ndarray]:
-    """The reduction over ranks of the gradients of every seed in ``seeds`` (micro-steps add)."""
-    total = [np.zeros(shape) for shape in shapes]
+def _each(value, count: int) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value] * count
+
+
+def reduced(ctx: Context, shapes, op: str, seeds, grad_dtypes=ms.float32,
+            reduce_dtype=None) -> list[np.ndarray]:
+    """The reduction over ranks of the gradients of every seed in ``seeds``: the first seed is
+    packed, the others accumulated (micro-steps), each rounded as the reduce path rounds.
+    ``reduce_dtype`` None: each gradient in its own dtype (a list: one per gradient). float32
+    values of the reduce dtype."""
+    grad_dtypes = _each(grad_dtypes, len(shapes))
+    reduce_dtypes = [r or g for r, g in zip(_each(reduce_dtype, len(shapes)), grad_dtypes)]
+    per_rank = []
     for rank in range(ctx.world_size):
+        bucket = None
         for seed in seeds:
-            for acc, values in zip(total, grad_values(rank, shapes, seed)):
-                acc += values
-    return [t / ctx.world_size for t in total] if op == "avg" else total
+            step = [round_to(v, g) for v, g in zip(grad_values(rank, shapes, seed), grad_dtypes)]
+            if bucket is None:
+                bucket = [round_to(v, r) for v, r in zip(step, reduce_dtypes)]
+            else:
+                bucket = [add_rounded(b, v, r) for b, v, r in zip(bucket, step, reduce_dtypes)]
+        per_rank.append(bucket)
+    return [reduce_over_ranks([bucket[i] for bucket in per_rank], reduce_dtypes[i], op,
+                              ctx.world_size) for i in range(len(shapes))]
 
 
 def expected_shard(full: np.ndarray, dim: int, rank: int, world: int) -> np.ndarray:
     """Rank ``rank``'s chunk of ``full`` along ``dim``, padded with zeros to ceil(d / W)."""
-    chunk = -(-full.shape[dim] // world)
-    widths = [(0, 0)] * full.ndim
-    widths[dim] = (0, chunk * world - full.shape[dim])
-    padded = np.pad(full, widths)
-    return np.take(padded, range(rank * chunk, (rank + 1) * chunk), axis=dim)
+    return np_chunk(full, dim, rank, world)
+
+
+def exact(actual, expected, dtype) -> dict:
+    """``actual`` holds exactly the values ``expected`` (float32 values of ``dtype``)."""
+    return allclose(actual, expected, dtype, rtol=0, atol=0)
+
+
+def data_checks(ctx: Context, shapes, seeds) -> dict:
+    """The test data are not exact in bfloat16 or float16: a pack truncating float32 to bfloat16
+    precision, or rounding through float16, changes them (so the exact checks can see it)."""
+    values = np.concatenate([v.reshape(-1) for seed in seeds
+                             for v in grad_values(ctx.rank, shapes, seed)])
+    return {"data_not_exact_in_bfloat16": equal(bool(np.any(round_to(values, "bfloat16") != values)), True),
+            "data_not_exact_in_float16": equal(bool(np.any(round_to(values, "float16") != values)), True)}
 
 
 def fingerprint(tensor: ms.Tensor) -> list:
@@ -101,23 +140,26 @@ def has_nan(tensors) -> bool:
 
 
 # -- shared checks -----------------------------------------------------------------------------------
-def shard_checks(ctx: Context, shards, shapes, dims, op: str, seeds, dtypes, prefix="") -> dict:
-    """One allclose per shard against the NumPy reference, plus each shard's dtype."""
-    if not isinstance(dtypes, (list, tuple)):
-        dtypes = [dtypes] * len(shapes)
+def shard_checks(ctx: Context, shards, shapes, dims, op: str, seeds, dtypes, prefix="",
+                 grad_dtypes=ms.float32) -> dict:
+    """Each shard exactly equal to the NumPy reference (``dtypes``: the reduce dtype of each
+    shard), plus each shard's dtype."""
+    dtypes = _each(dtypes, len(shapes))
     checks = {f"{prefix}count": equal(len(shards), len(shapes))}
-    for i, (full, dim, dtype) in enumerate(zip(reduced(ctx, shapes, op, seeds), dims, dtypes)):
+    fulls = reduced(ctx, shapes, op, seeds, grad_dtypes, dtypes)
+    for i, (full, dim, dtype) in enumerate(zip(fulls, dims, dtypes)):
         expected = expected_shard(full, dim, ctx.rank, ctx.world_size)
-        checks[f"{prefix}shard{i}_{shapes[i]}_dim{dim}"] = allclose(shards[i], expected, dtype)
+        checks[f"{prefix}shard{i}_{shapes[i]}_dim{dim}"] = exact(shards[i], expected, dtype)
         checks[f"{prefix}shard{i}_dtype"] = equal(str(shards[i].dtype), str(dtype))
     return checks
 
 
-def full_checks(ctx: Context, outputs, shapes, op: str, seeds, dtype, prefix="") -> dict:
-    """All-reduce results: whole gradients reduced over ranks."""
+def full_checks(ctx: Context, outputs, shapes, op: str, seeds, dtype, prefix="",
+                grad_dtypes=ms.float32) -> dict:
+    """All-reduce results: whole gradients reduced over ranks, exactly."""
     checks = {f"{prefix}count": equal(len(outputs), len(shapes))}
-    for i, full in enumerate(reduced(ctx, shapes, op, seeds)):
-        checks[f"{prefix}grad{i}_{shapes[i]}"] = allclose(outputs[i], full, dtype)
+    for i, full in enumerate(reduced(ctx, shapes, op, seeds, grad_dtypes, dtype)):
+        checks[f"{prefix}grad{i}_{shapes[i]}"] = exact(outputs[i], full, dtype)
         checks[f"{prefix}grad{i}_dtype"] = equal(str(outputs[i].dtype), str(dtype))
     return checks
 
@@ -148,14 +190,19 @@ def grouping_checks(buckets, grads, cap_bytes: float, reduce_dtype, expect_sever
     return checks
 
 
-def reducer_config(**fields) -> ReducerConfig:
-    return ReducerConfig(host_copies=HOST_COPIES, **fields)
+def reducer_config(host=None, **fields) -> ReducerConfig:
+    """``host`` None: the module's HOST_COPIES (tests flip it); True/False: that write path."""
+    return ReducerConfig(host_copies=HOST_COPIES if host is None else host, **fields)
 
 
-def config_for(mode: str, reduce_dtype, zero_copy: bool = False) -> ReducerConfig:
-    return reducer_config(reduce_dtype=reduce_dtype, comm_fusion=mode != "pergrad",
+def config_for(mode: str, reduce_dtype, zero_copy: bool = False, host=None) -> ReducerConfig:
+    return reducer_config(host=host, reduce_dtype=reduce_dtype, comm_fusion=mode != "pergrad",
                           bucket_cap_mib=SMALL_CAP_MIB if mode == "fused_small_cap" else 25.0,
                           zero_copy=zero_copy)
+
+
+def path_suffix(host) -> str:
+    return "" if host is None else ("_host" if host else "_device")
 
 
 def after_release_checks(pool: BucketPool, grads, before) -> dict:
@@ -169,11 +216,11 @@ def after_release_checks(pool: BucketPool, grads, before) -> dict:
 
 
 # -- reduce-scatter against NumPy: op x reduce dtype x grad dtype x bucketing -------------------------
-def _reduce_scatter(op: str, reduce_name: str, grad_name: str, mode: str):
+def _reduce_scatter(op: str, reduce_name: str, grad_name: str, mode: str, host=None):
     def case(ctx: Context) -> dict:
         reduce_dtype, grad_dtype = DTYPES[reduce_name], DTYPES[grad_name]
         pool = BucketPool(poison_on_release=True)
-        reducer = GradReducer(pool, ctx.comm, config_for(mode, reduce_dtype))
+        reducer = GradReducer(pool, ctx.comm, config_for(mode, reduce_dtype, host=host))
         grads = make_grads(ctx, SHAPES, grad_dtype, seed=1)
         before = [fingerprint(g) for g in grads]
         buckets = reducer.pack(grads, SHARD_DIMS)
@@ -186,7 +233,9 @@ def _reduce_scatter(op: str, reduce_name: str, grad_name: str, mode: str):
                                           expect_several=mode == "fused_small_cap"))
         result = reducer.launch(buckets, op=op)
         shards = result.wait()
-        checks.update(shard_checks(ctx, shards, SHAPES, SHARD_DIMS, op, [1], reduce_dtype))
+        checks.update(data_checks(ctx, SHAPES, [1]))
+        checks.update(shard_checks(ctx, shards, SHAPES, SHARD_DIMS, op, [1], reduce_dtype,
+                                   grad_dtypes=grad_dtype))
         checks.update(intact_checks(grads, before, "after_wait"))
         checks["live_leases_while_shards_held"] = equal(pool.stats().live_leases, len(buckets))
         result.release()
@@ -201,6 +250,11 @@ for _op in OPS:
             for _mode in MODES:
                 suite.add(f"reduce_scatter_{_op}_reduce_{_rd}_grad_{_gd}_{_mode}",
                           _reduce_scatter(_op, _rd, _gd, _mode))
+# The device (Ascend-portable) write path on CPU too, for every dtype pair.
+for _rd in REDUCE_DTYPES:
+    for _gd in GRAD_DTYPES:
+        suite.add(f"reduce_scatter_avg_reduce_{_rd}_grad_{_gd}_pergrad_device",
+                  _reduce_scatter("avg", _rd, _gd, "pergrad", host=False))
 
 
 def _reduce_scatter_mixed_grads(reduce_name, mode: str):
@@ -215,7 +269,8 @@ def _reduce_scatter_mixed_grads(reduce_name, mode: str):
         result = reducer.reduce_scatter(grads, SHARD_DIMS, op="avg")
         shards = result.wait()
         expected_dtypes = [reduce_dtype] * len(SHAPES) if reduce_dtype else grad_dtypes
-        checks = shard_checks(ctx, shards, SHAPES, SHARD_DIMS, "avg", [2], expected_dtypes)
+        checks = shard_checks(ctx, shards, SHAPES, SHARD_DIMS, "avg", [2], expected_dtypes,
+                              grad_dtypes=grad_dtypes)
         checks.update(intact_checks(grads, before, "after_wait"))
         if mode == "fused":   # one bucket per reduce dtype
             checks["fused_buckets"] = equal(len(result.launched), 1 if reduce_dtype else 2)
@@ -232,16 +287,16 @@ for _rd in ("float32", None):
 
 
 # -- all_reduce (replicated gradients) --------------------------------------------------------------
-def _all_reduce(op: str, reduce_name: str, grad_name: str, mode: str):
+def _all_reduce(op: str, reduce_name: str, grad_name: str, mode: str, host=None):
     def case(ctx: Context) -> dict:
         reduce_dtype, grad_dtype = DTYPES[reduce_name], DTYPES[grad_name]
         pool = BucketPool(poison_on_release=True)
-        reducer = GradReducer(pool, ctx.comm, config_for(mode, reduce_dtype))
+        reducer = GradReducer(pool, ctx.comm, config_for(mode, reduce_dtype, host=host))
         grads = make_grads(ctx, SHAPES, grad_dtype, seed=3)
         before = [fingerprint(g) for g in grads]
         result = reducer.all_reduce(grads, op=op)
         outputs = result.wait()
-        checks = full_checks(ctx, outputs, SHAPES, op, [3], reduce_dtype)
+        checks = full_checks(ctx, outputs, SHAPES, op, [3], reduce_dtype, grad_dtypes=grad_dtype)
         checks.update(intact_checks(grads, before, "after_wait"))
         result.release()
         checks.update(after_release_checks(pool, grads, before))
@@ -256,45 +311,64 @@ for _op in OPS:
                       _all_reduce(_op, _rd, "float32", _mode))
     suite.add(f"all_reduce_{_op}_reduce_float32_grad_bfloat16_fused",
               _all_reduce(_op, "float32", "bfloat16", "fused"))
+    suite.add(f"all_reduce_{_op}_reduce_float16_grad_float16_fused",
+              _all_reduce(_op, "float16", "float16", "fused"))
+for _rd in REDUCE_DTYPES:
+    suite.add(f"all_reduce_avg_reduce_{_rd}_grad_float32_fused_device",
+              _all_reduce("avg", _rd, "float32", "fused", host=False))
 
 
-# -- gradient accumulation: pack micro-step 1, accumulate micro-step 2, launch ------------------------
-def _accumulate(op: str, reduce_name: str, grad_name: str, mode: str, all_reduce: bool = False):
+# -- gradient accumulation: pack micro-step 1, accumulate micro-steps 2 and 3, launch ---------------
+ACC_SEEDS = (4, 5, 14)
+
+
+def _accumulate(op: str, reduce_name: str, grad_name: str, mode: str, all_reduce: bool = False,
+                host=None):
     def case(ctx: Context) -> dict:
         reduce_dtype, grad_dtype = DTYPES[reduce_name], DTYPES[grad_name]
         pool = BucketPool(poison_on_release=True)
-        reducer = GradReducer(pool, ctx.comm, config_for(mode, reduce_dtype))
-        step1 = make_grads(ctx, SHAPES, grad_dtype, seed=4)
-        step2 = make_grads(ctx, SHAPES, grad_dtype, seed=5)
-        before = [fingerprint(g) for g in step1 + step2]
+        reducer = GradReducer(pool, ctx.comm, config_for(mode, reduce_dtype, host=host))
+        steps = [make_grads(ctx, SHAPES, grad_dtype, seed=seed) for seed in ACC_SEEDS]
+        every = [g for step in steps for g in step]
+        before = [fingerprint(g) for g in every]
         if all_reduce:
-            buckets = reducer.pack(step1, world_size=1, allow_borrow=False)
+            buckets = reducer.pack(steps[0], world_size=1, allow_borrow=False)
         else:
-            buckets = reducer.pack(step1, SHARD_DIMS, allow_borrow=False)
-        reducer.accumulate(buckets, step2)
+            buckets = reducer.pack(steps[0], SHARD_DIMS, allow_borrow=False)
+        for step in steps[1:]:
+            reducer.accumulate(buckets, step)
         result = reducer.launch(buckets, op=op, all_reduce=all_reduce)
         outputs = result.wait()
         if all_reduce:
-            checks = full_checks(ctx, outputs, SHAPES, op, [4, 5], reduce_dtype)
+            checks = full_checks(ctx, outputs, SHAPES, op, ACC_SEEDS, reduce_dtype,
+                                 grad_dtypes=grad_dtype)
         else:
-            checks = shard_checks(ctx, outputs, SHAPES, SHARD_DIMS, op, [4, 5], reduce_dtype)
-        checks.update(intact_checks(step1 + step2, before, "after_wait"))
+            checks = shard_checks(ctx, outputs, SHAPES, SHARD_DIMS, op, ACC_SEEDS, reduce_dtype,
+                                  grad_dtypes=grad_dtype)
+        checks.update(data_checks(ctx, SHAPES, ACC_SEEDS))
+        checks.update(intact_checks(every, before, "after_wait"))
         result.release()
-        checks.update(after_release_checks(pool, step1 + step2, before))
+        checks.update(after_release_checks(pool, every, before))
         return checks
     return case
 
 
-for _op in OPS:
+# Every micro-step dtype into every bucket dtype, on both write paths (host: NumPy where it
+# applies, i.e. dim-0 float32/float16 buckets; device: forced), per gradient (so the dim-0
+# gradients of a host run really take the host path) and fused in several buckets.
+for _gd in GRAD_DTYPES:
     for _rd in REDUCE_DTYPES:
-        suite.add(f"accumulate_{_op}_reduce_{_rd}_grad_float32_fused_small_cap",
-                  _accumulate(_op, _rd, "float32", "fused_small_cap"))
-    suite.add(f"accumulate_{_op}_reduce_float32_grad_bfloat16_pergrad",
-              _accumulate(_op, "float32", "bfloat16", "pergrad"))
-    suite.add(f"accumulate_{_op}_reduce_bfloat16_grad_bfloat16_fused",
-              _accumulate(_op, "bfloat16", "bfloat16", "fused"))
+        for _host in (True, False):
+            for _mode in ("pergrad", "fused_small_cap"):
+                suite.add(f"accumulate_avg_reduce_{_rd}_grad_{_gd}_{_mode}{path_suffix(_host)}",
+                          _accumulate("avg", _rd, _gd, _mode, host=_host))
+for _op in OPS:
+    suite.add(f"accumulate_{_op}_reduce_float32_grad_float32_fused_small_cap",
+              _accumulate(_op, "float32", "float32", "fused_small_cap"))
     suite.add(f"accumulate_all_reduce_{_op}_reduce_float32_grad_float32_fused",
               _accumulate(_op, "float32", "float32", "fused", all_reduce=True))
+suite.add("accumulate_all_reduce_avg_reduce_bfloat16_grad_float16_fused",
+          _accumulate("avg", "bfloat16", "float16", "fused", all_reduce=True))
 
 
 # -- zero-copy ---------------------------------------------------------------------------------------
@@ -436,7 +510,7 @@ def _fused_reducer(ctx: Context, pool: BucketPool, comm) -> GradReducer:
 def in_flight_second_reduce_gets_another_bucket(ctx: Context) -> dict:
     """While the first reduction's collective is in flight (its handle not completed), a second
     one's pack gets a new input bucket, never the fenced one; after completion all recycle."""
-    faulty = FaultInjectingCommunicator(ctx.comm, delay_seconds=DELAY)
+    faulty = FaultInjectingCommunicator(ctx.comm, delay_seconds=DELAY, read_input_at=LATE)
     pool = BucketPool(poison_on_release=True)
     reducer = _fused_reducer(ctx, pool, faulty)
     g1 = make_grads(ctx, SHAPES, ms.float32, seed=8)
@@ -453,7 +527,10 @@ def in_flight_second_reduce_gets_another_bucket(ctx: Context) -> dict:
     r2 = reducer.launch(b2, op="sum")
     out1, out2 = (storage_ptr(r.launched[0].output.tensor) for r in (r1, r2))
     shards1, shards2 = r1.wait(), r2.wait()
-    checks = {
+    # values first: an input bucket re-leased early shows here as the wrong numbers
+    checks = shard_checks(ctx, shards1, SHAPES, SHARD_DIMS, "sum", [8], ms.float32, "r1_")
+    checks.update(shard_checks(ctx, shards2, SHAPES, SHARD_DIMS, "sum", [9], ms.float32, "r2_"))
+    checks.update({
         "first_pending_when_second_packed": equal(first_pending, True),
         "first_input_fenced": equal(s2.fenced_buckets, 1),
         "second_input_new_allocation": equal(s2.new_allocations - s1.new_allocations, 1),
@@ -461,9 +538,7 @@ def in_flight_second_reduce_gets_another_bucket(ctx: Context) -> dict:
         "second_input_not_first_input": equal(in2 != in1, True),
         "live_output_never_leased": equal(len({in1, in2, out1}) == 3 and out2 != out1, True),
         "no_nan": equal(has_nan(shards1 + shards2), False),
-    }
-    checks.update(shard_checks(ctx, shards1, SHAPES, SHARD_DIMS, "sum", [8], ms.float32, "r1_"))
-    checks.update(shard_checks(ctx, shards2, SHAPES, SHARD_DIMS, "sum", [9], ms.float32, "r2_"))
+    })
     r1.release()
     r2.release()
     # Completed fences recycle (poisoned): a third reduce reuses them and is still right.
@@ -485,7 +560,7 @@ def in_flight_second_reduce_gets_another_bucket(ctx: Context) -> dict:
 def in_flight_cap_one_waits_and_counts_stall(ctx: Context) -> dict:
     """max_buckets_in_flight=1: the second pack waits for the first input's fence (a stall), then
     reuses that bucket; the first result's output bucket (still leased) is never handed out."""
-    faulty = FaultInjectingCommunicator(ctx.comm, delay_seconds=DELAY)
+    faulty = FaultInjectingCommunicator(ctx.comm, delay_seconds=DELAY, read_input_at=LATE)
     pool = BucketPool(poison_on_release=True, max_buckets_in_flight=1)
     reducer = _fused_reducer(ctx, pool, faulty)
     g1 = make_grads(ctx, SHAPES, ms.float32, seed=10)
@@ -504,7 +579,9 @@ def in_flight_cap_one_waits_and_counts_stall(ctx: Context) -> dict:
     r2 = reducer.launch(b2, op="avg")
     out1, out2 = (storage_ptr(r.launched[0].output.tensor) for r in (r1, r2))
     shards1, shards2 = r1.wait(), r2.wait()
-    checks = {
+    checks = shard_checks(ctx, shards1, SHAPES, SHARD_DIMS, "avg", [10], ms.float32, "r1_")
+    checks.update(shard_checks(ctx, shards2, SHAPES, SHARD_DIMS, "avg", [11], ms.float32, "r2_"))
+    checks.update({
         "first_pending_before_second_pack": equal(first_pending, True),
         "stall_counted": equal(s2.stalls - s1.stalls >= 1, True),
         "stall_seconds_positive": equal(s2.stall_seconds - s1.stall_seconds > 0, True),
@@ -513,9 +590,7 @@ def in_flight_cap_one_waits_and_counts_stall(ctx: Context) -> dict:
         "input_bucket_reused_after_fence": equal(in2, in1),
         "live_output_never_leased": equal(len({in2, out1, out2}), 3),
         "no_nan": equal(has_nan(shards1 + shards2), False),
-    }
-    checks.update(shard_checks(ctx, shards1, SHAPES, SHARD_DIMS, "avg", [10], ms.float32, "r1_"))
-    checks.update(shard_checks(ctx, shards2, SHAPES, SHARD_DIMS, "avg", [11], ms.float32, "r2_"))
+    })
     r1.release()
     r2.release()
     checks.update(intact_checks(g1 + g2, before, "after_wait"))
@@ -523,10 +598,34 @@ def in_flight_cap_one_waits_and_counts_stall(ctx: Context) -> dict:
     return checks
 
 
+@suite.case
+def in_flight_per_gradient_buckets_within_one_call(ctx: Context) -> dict:
+    """comm_fusion off: one call packs and launches gradient after gradient, so every input
+    bucket must stay fenced while the next gradient is packed; the collectives read their inputs
+    only at wait(), so an input bucket re-leased early would be reduced with another gradient's
+    values (every bucket here has the same capacity: each would be the next one's)."""
+    faulty = FaultInjectingCommunicator(ctx.comm, delay_seconds=0.1, read_input_at=LATE)
+    pool = BucketPool(poison_on_release=True)
+    reducer = GradReducer(pool, faulty, reducer_config(reduce_dtype=ms.float32))
+    grads = make_grads(ctx, SHAPES, ms.float32, seed=15)
+    before = [fingerprint(g) for g in grads]
+    result = reducer.reduce_scatter(grads, SHARD_DIMS, op="avg")
+    pending = pool.stats()
+    shards = result.wait()
+    checks = shard_checks(ctx, shards, SHAPES, SHARD_DIMS, "avg", [15], ms.float32)
+    checks.update({"inputs_fenced_until_wait": equal(pending.fenced_buckets, len(SHAPES)),
+                   "no_nan": equal(has_nan(shards), False)})
+    result.release()
+    checks.update(intact_checks(grads, before, "after_wait"))
+    checks.update(after_release_checks(pool, grads, before))
+    return checks
+
+
 # -- wait() raising -----------------------------------------------------------------------------------
 def _fail_wait(error, all_reduce: bool):
     def case(ctx: Context) -> dict:
-        faulty = FaultInjectingCommunicator(ctx.comm, delay_seconds=0.05, fail_wait=error)
+        faulty = FaultInjectingCommunicator(ctx.comm, delay_seconds=0.05, fail_wait=error,
+                                            read_input_at=LATE)
         pool = BucketPool(poison_on_release=True)
         # per gradient: several collectives in one result, the first one's wait raises
         reducer = GradReducer(pool, faulty, reducer_config(reduce_dtype=ms.float32))
