@@ -16,7 +16,7 @@ import numpy as np
 from mindspore import Parameter, mint, nn
 
 from gradpool import GradPoolConfig, init_distributed
-from hyper_parallel import fully_shard
+from hyper_parallel import clip_grad_norm_, fully_shard
 from hyper_parallel.core.fully_shard.api import MixedPrecisionPolicy
 
 STEPS, GLOBAL_BATCH, WIDTH = 6, 8, 16
@@ -52,8 +52,9 @@ def main() -> int:
     mp = MixedPrecisionPolicy(reduce_dtype=ms.float32, apply_grad_on_fp32_main_grad=True)
     pool = GradPoolConfig(poison_on_release=True)   # recycled buckets read NaN: a stale read shows
     model = MLP()
+    last_bias = model.layers[-1].bias        # kept whole on every rank, all-reduced
     for layer in model.layers:
-        fully_shard(layer, mp_policy=mp, pool_config=pool)
+        fully_shard(layer, mp_policy=mp, pool_config=pool, replicate_params={last_bias})
     fully_shard(model, mp_policy=mp, pool_config=pool)
 
     data = np.random.default_rng(1).standard_normal((GLOBAL_BATCH, WIDTH)).astype(np.float32)
@@ -68,9 +69,12 @@ def main() -> int:
     for step in range(STEPS):
         model.zero_grad()                          # clears main_grad
         loss, _ = grad_fn(x, y)                    # reduced shards land in p.main_grad (avg)
+        # the unsharded model's gradient norm: the same on every rank and for any world size
+        norm = float(clip_grad_norm_(params, max_norm=1.0).asnumpy())
         optimizer(tuple(p.main_grad for p in params))
         losses.append(float(loss.asnumpy()))
-        print(f"rank {rank}/{world} step {step + 1}/{STEPS} loss {losses[-1]:.6f}", flush=True)
+        print(f"rank {rank}/{world} step {step + 1}/{STEPS} loss {losses[-1]:.6f} "
+              f"grad_norm {norm:.6f}", flush=True)
     if not losses[-1] < losses[0]:
         print(f"rank {rank}: loss did not fall ({losses[0]:.6f} -> {losses[-1]:.6f})",
               file=sys.stderr)
