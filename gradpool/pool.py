@@ -23,7 +23,8 @@ that counts buckets or bytes is derived from the bucket records, so the pool can
 bytes it does not hold. Every state change is a plain attribute store made after the last call
 that can raise (a ``KeyboardInterrupt`` included), or is rolled back. One re-entrant lock guards
 the pool's state, so one pool may be used from several threads; ``stats()`` is a consistent
-snapshot taken under it.
+snapshot taken under it. The pool's own tensor writes (poison, freeing in ``trim``) run only on
+the thread that created it: MindSpore aborts when two threads launch ops at once.
 """
 from __future__ import annotations
 
@@ -252,6 +253,10 @@ class BucketPool:
         self._high_water = 0
         self._stats = PoolStats()       # counters only; sizes are derived from _buckets
         self._lock = threading.RLock()
+        # MindSpore's PyNative dispatch is not thread-safe (two threads launching ops at once can
+        # abort the process), so the pool's own tensor writes (poisoning, freeing) stay on the
+        # thread that made the pool; another thread's stats() or trim() only reads and counts.
+        self._owner = threading.get_ident()
 
     # -- public API -------------------------------------------------------------------------
     def alignment_elements(self, dtype) -> int:
@@ -329,7 +334,10 @@ class BucketPool:
             bucket.state = _FREE if done else _FENCED
 
     def trim(self) -> int:
-        """Release the storage of idle buckets (no lease, fence completed). Returns bytes freed."""
+        """Release the storage of idle buckets (no lease, fence completed). Returns bytes freed
+        (0 when called from a thread other than the pool's: it frees nothing there)."""
+        if threading.get_ident() != self._owner:
+            return 0
         with self._lock:
             self._reap()
             freed = sum(self._drop(bucket) for bucket in self._in(_FREE))
@@ -473,6 +481,8 @@ class BucketPool:
         self._recycle(bucket)
 
     def _reap(self) -> None:
+        if threading.get_ident() != self._owner:
+            return          # recycled by the owner thread (its next acquire, stats or wait)
         for bucket in self._in(_FENCED):
             if fence_done(bucket.fence):
                 self._recycle(bucket)
