@@ -68,7 +68,9 @@ def main() -> int:
     losses = []
     for step in range(STEPS):
         model.zero_grad()                          # clears main_grad
-        loss, _ = grad_fn(x, y)                    # reduced shards land in p.main_grad (avg)
+        # main_grad mode reduces asynchronously: autograd's gradients are zeros, and every
+        # p.main_grad holds the reduced (averaged) shard once grad_fn returns
+        loss, _ = grad_fn(x, y)
         # the unsharded model's gradient norm: the same on every rank and for any world size
         norm = float(clip_grad_norm_(params, max_norm=1.0).asnumpy())
         optimizer(tuple(p.main_grad for p in params))

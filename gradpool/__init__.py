@@ -27,7 +27,7 @@ _EXPORTS = {
                       "unpack_gathered", "Written"),
     "gradpool.reducer": ("GradReducer", "ReducerConfig", "ReduceResult", "PackedBucket"),
     "gradpool.runtime": ("GradPoolConfig", "Runtime", "build_runtime", "runtime_for",
-                         "all_runtimes", "reset_runtimes"),
+                         "all_runtimes", "reset_runtimes", "install_runtime"),
     "gradpool.comm": ("Communicator", "CommHandle", "CompletedHandle",
                       "SingleProcessCommunicator", "CpuMcclCommunicator",
                       "AscendHcclCommunicator", "communicator_for", "init_distributed",

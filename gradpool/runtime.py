@@ -35,7 +35,10 @@ class GradPoolConfig:
     ``alignment_bytes``: chunk alignment and bucket size granularity. ``zero_copy``: let the
     collective read a gradient in place when the layout allows. ``poison_on_release``: fill
     recycled buckets with NaN (debug). ``max_cached_mib``: cap on memory the pool holds (None: no
-    cap). ``verify_gradients``: checksum each gradient on arrival and after its reduce (debug)."""
+    cap). ``verify_gradients``: checksum each gradient on arrival and after its reduce (debug).
+    ``async_reduce``: in ``main_grad`` mode (``apply_grad_on_fp32_main_grad``), a unit's backward
+    launches its reduce and returns without waiting; the results reach ``main_grad`` at the end of
+    backward (False: each reduce completes inside its unit's backward, as without main_grad)."""
 
     bucket_cap_mib: float = 25.0
     max_buckets_in_flight: Optional[int] = 2
@@ -44,9 +47,10 @@ class GradPoolConfig:
     poison_on_release: bool = False
     max_cached_mib: Optional[float] = None
     verify_gradients: bool = False
+    async_reduce: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("zero_copy", "poison_on_release", "verify_gradients"):
+        for name in ("zero_copy", "poison_on_release", "verify_gradients", "async_reduce"):
             check_bool(f"GradPoolConfig.{name}", getattr(self, name))
         check_positive_number("GradPoolConfig.bucket_cap_mib", self.bucket_cap_mib)
         check_int("GradPoolConfig.max_buckets_in_flight", self.max_buckets_in_flight, 1,
@@ -134,6 +138,17 @@ def runtime_for(config: GradPoolConfig) -> Runtime:
     runtime = _RUNTIMES.get(config)
     if runtime is None:
         runtime = _RUNTIMES[config] = build_runtime(config)
+    return runtime
+
+
+def install_runtime(config: GradPoolConfig, comm: Communicator) -> Runtime:
+    """Build the process-wide runtime of ``config`` on ``comm`` (a wrapped communicator: a test
+    or benchmark network); every ``fully_shard`` call with an equal config uses it from now on.
+    Refused when that runtime exists already (its units would keep the old one)."""
+    if config in _RUNTIMES:
+        raise InvalidArgumentError(
+            f"a runtime for {config!r} exists already; call reset_runtimes() first")
+    runtime = _RUNTIMES[config] = build_runtime(config, comm)
     return runtime
 
 

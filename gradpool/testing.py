@@ -1,6 +1,7 @@
 """Test aids for code built on gradpool: communicators that delay or fail their collectives.
 
-Importable by users writing their own tests::
+Importable by users writing their own tests (and by the overlap benchmark, which models a network
+with :class:`LatencyCommunicator`)::
 
     from gradpool.testing import FaultInjectingCommunicator
     comm = FaultInjectingCommunicator(SingleProcessCommunicator(), delay_seconds=0.05)
@@ -97,7 +98,8 @@ class FaultInjectingCommunicator(Communicator):
     exception instance, or True for a :class:`CommError`) ``wait()`` raises it, after which the
     handle counts as completed. ``read_input_at`` is when an asynchronous collective reads its
     input and writes its output: at ``"launch"`` (default) or at ``"wait"`` (see the module
-    docstring). ``launches`` counts every collective launched, ``launch_counts`` per name."""
+    docstring). ``launches`` counts every collective launched, ``launch_counts`` per name,
+    ``launch_log`` lists their names in launch order."""
 
     def __init__(self, inner: Communicator, delay_seconds: float = 0.0,
                  fail_wait: Union[BaseException, bool, None] = None,
@@ -117,6 +119,7 @@ class FaultInjectingCommunicator(Communicator):
         self.fail_wait = fail_wait
         self.read_input_at = read_input_at
         self.launch_counts: collections.Counter = collections.Counter()
+        self.launch_log: list[str] = []     # every collective's name, in launch order
 
     @property
     def rank(self) -> int:
@@ -143,6 +146,7 @@ class FaultInjectingCommunicator(Communicator):
     def _launch(self, name: str, collective: Callable[..., CommHandle], async_op: bool,
                 *args) -> CommHandle:
         self.launch_counts[name] += 1      # counted before launch: a launch that raises counts
+        self.launch_log.append(name)
         error = self._error_for(name)
         if self.read_input_at == "wait" and async_op:
             return _DeferredHandle(lambda: collective(*args), time.monotonic() + self.delay_seconds,
@@ -156,3 +160,64 @@ class FaultInjectingCommunicator(Communicator):
             return CommError(f"injected failure of {name} launch #{self.launch_counts[name]} "
                              "(FaultInjectingCommunicator(fail_wait=True))")
         return self.fail_wait if isinstance(self.fail_wait, BaseException) else None
+
+
+class _LinkHandle(CommHandle):
+    """Completes at ``ready_at`` (the data was written at launch); ``wait()`` sleeps until then."""
+
+    def __init__(self, inner: CommHandle, ready_at: float):
+        self._inner = inner
+        self._ready_at = ready_at
+
+    def wait(self) -> None:
+        remaining = self._ready_at - time.monotonic()
+        if remaining > 0:
+            time.sleep(remaining)
+        self._inner.wait()
+
+    def is_completed(self) -> bool:
+        return time.monotonic() >= self._ready_at and self._inner.is_completed()
+
+
+class LatencyCommunicator(Communicator):
+    """A network in front of a communicator: every asynchronous collective completes
+    ``latency_seconds`` after it starts, and it starts when launched or when the previous one
+    completed, whichever is later (one link, one collective at a time, like the collectives of a
+    communication stream). Waiting costs no CPU (a sleep), so compute overlaps it as it would a
+    real network. The wrapped collective runs at launch (its result is written then);
+    synchronous calls (``async_op=False``) also pay the latency, before they return."""
+
+    def __init__(self, inner: Communicator, latency_seconds: float):
+        if isinstance(latency_seconds, bool) or not isinstance(latency_seconds, (int, float)) \
+                or latency_seconds < 0:
+            raise InvalidArgumentError(
+                f"latency_seconds must be a number >= 0, got {latency_seconds!r}")
+        self.inner = inner
+        self.latency_seconds = float(latency_seconds)
+        self.launches = 0
+        self._link_free_at = 0.0
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.inner.world_size
+
+    def _reduce_scatter(self, output, input, op, async_op) -> CommHandle:
+        return self._send(self.inner.reduce_scatter(output, input, op, async_op), async_op)
+
+    def _all_gather(self, output, input, async_op) -> CommHandle:
+        return self._send(self.inner.all_gather(output, input, async_op), async_op)
+
+    def _all_reduce(self, tensor, op, async_op) -> CommHandle:
+        return self._send(self.inner.all_reduce(tensor, op, async_op), async_op)
+
+    def _send(self, inner: CommHandle, async_op: bool) -> CommHandle:
+        self.launches += 1
+        self._link_free_at = max(time.monotonic(), self._link_free_at) + self.latency_seconds
+        handle = _LinkHandle(inner, self._link_free_at)
+        if not async_op:
+            handle.wait()
+        return handle

@@ -133,12 +133,13 @@ def test_every_rank_logs_its_steps_in_mindformers_style():
 def test_job_steps_show_the_slowest_rank_and_every_ranks_allocations():
     from gradpool.app.job import JobStep
     rows = [dict(seconds=0.5, bytes_copied=10, copy_gbps=2.0, new_allocations=3,
-                 high_water_bytes=100, stall_seconds=0.0),
+                 high_water_bytes=100, stall_seconds=0.0, stalls=0),
             dict(seconds=0.7, bytes_copied=12, copy_gbps=1.0, new_allocations=4,
-                 high_water_bytes=90, stall_seconds=0.1)]
+                 high_water_bytes=90, stall_seconds=0.1, stalls=2)]
     record = JobStep(step=0, loss=1.5, ranks=tuple(rows)).record()
     assert (record.seconds, record.bytes_copied, record.copy_gbps, record.new_allocations,
-            record.high_water_bytes, record.stall_seconds) == (0.7, 12, 1.0, 7, 100, 0.1)
+            record.high_water_bytes, record.stall_seconds, record.stalls) == \
+        (0.7, 12, 1.0, 7, 100, 0.1, 2)
 
 
 def test_rank_counters_cross_the_all_reduce_exactly():

@@ -75,7 +75,7 @@ def test_world_one_training_equals_unsharded_reference(extra):
 # The distributed fully_shard cases (gradient probe: reduced shard grads and main_grad after one
 # and several micro-steps, per element; training against the exact reference), in one process.
 # One case here (each costs seconds); all of them run at world size 2, some at 4.
-WORLD_1_CASES = ["field_configuration"]
+WORLD_1_CASES = ["field_configuration", "collectives_complete_late_fused_micro_steps"]
 
 
 @pytest.mark.parametrize("name", WORLD_1_CASES)
@@ -105,7 +105,8 @@ def test_main_grad_accumulates_and_zero_grad_clears_it():
     x = ms.Tensor(np.ones((2, 4), np.float32))
     ref_loss, ref_grads = _loss_and_grads(TwoLayer(), x)
     net = fully_shard(TwoLayer(), mp_policy=MixedPrecisionPolicy(
-        reduce_dtype=ms.float32, apply_grad_on_fp32_main_grad=True))
+        reduce_dtype=ms.float32, apply_grad_on_fp32_main_grad=True),
+        pool_config=GradPoolConfig(async_reduce=False))     # returns the reduced shards too
     loss, grads = _loss_and_grads(net, x)
     for got, want in zip(grads, ref_grads):
         np.testing.assert_allclose(got.asnumpy(), want.asnumpy(), rtol=1e-6)
@@ -209,15 +210,18 @@ def test_failed_reduce_leaves_no_lease_behind():
     assert pool.stats().live_leases == 0
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
 @pytest.mark.parametrize("fusion", [["fully_shard.comm_fusion=false"],
                                     ["fully_shard.comm_fusion=true", "gradpool.bucket_cap_mib=0.01"]],
                          ids=["per_gradient", "fused_small_buckets"])
-def test_training_correct_when_collectives_complete_late(monkeypatch, fusion):
+def test_training_correct_when_collectives_complete_late(monkeypatch, fusion, mode):
     """Every collective runs at wait(), 20 ms after launch at the earliest, and reads its input
     bucket then, like a real asynchronous collective. A unit packs and launches bucket after
     bucket before it waits, so each input bucket must stay fenced while the next is packed: one
     handed out early is overwritten by the next gradient (or poisoned with NaN) before its
-    collective reads it, and the gradients, the losses and the parameters come out wrong."""
+    collective reads it, and the gradients, the losses and the parameters come out wrong. The
+    asynchronous reduce (main_grad mode) leaves every unit's collectives pending until the root's
+    backward ends: main_grad must still be the reference's gradient, bit for bit."""
     from gradpool import runtime as runtime_module
     made = []
 
@@ -228,7 +232,8 @@ def test_training_correct_when_collectives_complete_late(monkeypatch, fusion):
 
     monkeypatch.setattr(runtime_module, "communicator_for", late)
     runtime_module.reset_runtimes()
-    cfg = from_dict({}, FIELD + ["train.steps=2", "gradpool.max_buckets_in_flight=null"] + fusion)
+    cfg = from_dict({}, FIELD + ["train.steps=2", "gradpool.max_buckets_in_flight=null",
+                                 f"gradpool.async_reduce={mode == 'async'}"] + fusion)
     try:
         model = build_sharded_model(cfg)
         runtime = runtime_for(cfg.gradpool)
@@ -243,7 +248,10 @@ def test_training_correct_when_collectives_complete_late(monkeypatch, fusion):
         assert made[0].launch_counts["reduce_scatter"] > 3      # several buckets per unit
         # the values first: an early reuse of an input bucket shows as wrong (or NaN) gradients
         for param, got, want in zip(params, grads, ref_grads):
-            np.testing.assert_array_equal(got.asnumpy(), want.asnumpy(), err_msg=param.name)
+            if mode == "async":
+                assert not np.any(got.asnumpy()), param.name      # the reduce went to main_grad
+            else:
+                np.testing.assert_array_equal(got.asnumpy(), want.asnumpy(), err_msg=param.name)
             np.testing.assert_array_equal(param.main_grad.asnumpy(), want.asnumpy(),
                                           err_msg=param.name)
         model.zero_grad()

@@ -111,12 +111,16 @@ def test_gradient_scaling_factor_must_be_finite_and_positive(factor):
 
 def test_gradient_scaling_factor_scales_the_reduced_gradients():
     want = [g.asnumpy() for g in grads_of(Two())]
-    net = fully_shard(Two(), mp_policy=MAIN_GRAD)
-    net.set_gradient_scaling_factor(0.25)
-    got = grads_of(net)
-    for g, w, p in zip(got, want, net.trainable_params()):
-        np.testing.assert_allclose(g.asnumpy(), 0.25 * w, rtol=1e-6)
-        np.testing.assert_allclose(p.main_grad.asnumpy(), 0.25 * w, rtol=1e-6)
+    for async_reduce in (False, True):
+        net = fully_shard(Two(), mp_policy=MAIN_GRAD,
+                          pool_config=GradPoolConfig(async_reduce=async_reduce))
+        net.set_gradient_scaling_factor(0.25)
+        got = grads_of(net)
+        for g, w, p in zip(got, want, net.trainable_params()):
+            # the asynchronous reduce hands autograd zeros; the scaled reduce is in main_grad
+            np.testing.assert_allclose(g.asnumpy(), 0 * w if async_reduce else 0.25 * w,
+                                       rtol=1e-6)
+            np.testing.assert_allclose(p.main_grad.asnumpy(), 0.25 * w, rtol=1e-6)
 
 
 class ManualFence:

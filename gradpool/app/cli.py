@@ -5,6 +5,7 @@
     gradpool launch-cmd --config FILE --node-rank K [--set section.key=value ...]
     gradpool plan --config FILE [--set ...] [--json] [--hbm-gbps G] [--copy-efficiency F]
     gradpool bench [--device CPU] [--nproc 2] [--out results.json] [--quick]
+    gradpool bench --suite overlap [--quick]
     gradpool --version
 
 Exit codes: 0 success; 1 the run failed (a rank failed, a loss was not finite, a gradient the reduce
@@ -101,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--nproc", type=int, default=2, help="ranks of the reduce-step suite")
     bench.add_argument("--out", default="bench-results.json", help="results JSON")
     bench.add_argument("--quick", action="store_true", help="small sweep (smoke run)")
+    bench.add_argument("--suite", default="copy-reduce", choices=("copy-reduce", "overlap"),
+                       help="copy-reduce: copy-in and reduce-step suites, JSON and report; "
+                            "overlap: latency the asynchronous reduce hides (world size 1)")
     bench.set_defaults(command=_bench)
     return parser
 
@@ -241,7 +245,8 @@ def _print_step(total: int):
         print(f"step {record.step + 1:>{width}}/{total}  loss {record.loss:.6f}  "
               f"time {record.seconds * 1e3:8.1f} ms  copied {_bytes(record.bytes_copied):>10}  "
               f"copy {record.copy_gbps:6.2f} GB/s  new allocations {record.new_allocations:3d}  "
-              f"pool high-water {_bytes(record.high_water_bytes)}", flush=True)
+              f"pool high-water {_bytes(record.high_water_bytes)}  stalls {record.stalls}",
+              flush=True)
     return show
 
 
@@ -350,6 +355,8 @@ def _plan(args) -> int:
 def _bench(args) -> int:
     if args.nproc < 1:
         raise _UsageError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.suite == "overlap":
+        return _bench_overlap(args)
     try:
         from benchmarks import report, runner
     except ImportError as exc:
@@ -366,6 +373,22 @@ def _bench(args) -> int:
     written = report.write_report(Path(args.out))
     for path in [Path(args.out), *written]:
         print(f"wrote {path}")
+    return EXIT_OK
+
+
+def _bench_overlap(args) -> int:
+    from benchmarks import overlap
+    if args.device != "CPU":
+        raise _UsageError("--suite overlap runs on CPU (world size 1, a modelled network); "
+                          f"got --device {args.device}")
+    try:
+        result = overlap.run(overlap.OverlapOptions.quick() if args.quick
+                             else overlap.OverlapOptions())
+    except overlap.OverlapBenchmarkError as exc:
+        print(f"gradpool bench: FAILED: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    for line in overlap.report_lines(result):
+        print(line)
     return EXIT_OK
 
 

@@ -328,6 +328,7 @@ _GRADPOOL_RULES = {
     "poison_on_release": Bool(),
     "max_cached_mib": PositiveNumber(nullable=True),
     "verify_gradients": Bool(),
+    "async_reduce": Bool(),
 }
 
 

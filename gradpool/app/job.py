@@ -82,7 +82,8 @@ class JobStep:
                           copy_gbps=min(r["copy_gbps"] for r in ranks),
                           new_allocations=sum(r["new_allocations"] for r in ranks),
                           high_water_bytes=max(r["high_water_bytes"] for r in ranks),
-                          stall_seconds=max(r["stall_seconds"] for r in ranks))
+                          stall_seconds=max(r["stall_seconds"] for r in ranks),
+                          stalls=max(r["stalls"] for r in ranks))
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,8 @@ STEPS, OUTCOME = "steps", "outcome"      # the keys of this program's rank repor
 JOB_STEPS, JOB = "job_steps", "job"      # rank 0 only: every rank's step counters, outcomes
 # What each rank tells rank 0 per step, and once at the end ("int" values travel exactly).
 STEP_FIELDS = (("seconds", float), ("bytes_copied", int), ("copy_gbps", float),
-               ("new_allocations", int), ("high_water_bytes", int), ("stall_seconds", float))
+               ("new_allocations", int), ("high_water_bytes", int), ("stall_seconds", float),
+               ("stalls", int))
 OUTCOME_FIELDS = (("ok", int), ("steps", int), ("verified_gradients", int),
                   ("new_allocations", int), ("reuses", int), ("bytes_reserved", int),
                   ("high_water_bytes", int), ("bytes_copied", int), ("copy_seconds", float),

@@ -41,6 +41,7 @@ class StepRecord:
     new_allocations: int  # during this step
     high_water_bytes: int
     stall_seconds: float
+    stalls: int = 0       # acquires that waited for an in-flight bucket, during this step
 
 
 class NonFiniteLossError(GradPoolError, ArithmeticError):
@@ -86,7 +87,7 @@ def device_mesh(cfg: RunConfig):
                             mesh_dim_names=cfg.fully_shard.mesh_dim_names)
 
 
-def _optimizer(cfg: RunConfig, params):
+def optimizer_for(cfg: RunConfig, params):
     if cfg.train.optimizer == "adam":
         return nn.Adam(params, learning_rate=cfg.train.learning_rate)
     return nn.SGD(params, learning_rate=cfg.train.learning_rate)
@@ -102,7 +103,7 @@ def train_sharded(cfg: RunConfig, model, comm, pool,
     """Train ``model`` (already ``fully_shard``-ed) for ``cfg.train.steps`` steps."""
     params = model.trainable_params()
     grad_fn = ms.value_and_grad(lambda tokens: next_token_loss(model, tokens), None, params)
-    optimizer = _optimizer(cfg, params)
+    optimizer = optimizer_for(cfg, params)
     records = []
     for step in range(cfg.train.steps):
         before = pool.stats()
@@ -117,7 +118,7 @@ def train_sharded(cfg: RunConfig, model, comm, pool,
                 model.set_requires_all_reduce(last)          # HSDP: reduce-scatter each one
             loss, grads = grad_fn(_batch(cfg, step, micro, comm.rank, comm.world_size))
             losses.append(loss)
-        optimizer(grads)
+        optimizer(optimizer_grads(cfg, params, grads))
         mean_loss = _mean_over_ranks(comm, float(np.mean([l.asnumpy() for l in losses])))
         after = pool.stats()
         record = _record(step, mean_loss, time.perf_counter() - start, before, after)
@@ -130,6 +131,22 @@ def train_sharded(cfg: RunConfig, model, comm, pool,
     return records
 
 
+def optimizer_grads(cfg: RunConfig, params, grads) -> tuple:
+    """What the optimizer steps on: in main_grad mode each parameter's float32 ``main_grad`` (in
+    the parameter's dtype), since the gradients autograd returned are zeros with the asynchronous
+    reduce; otherwise autograd's gradients."""
+    if not cfg.fully_shard.apply_grad_on_fp32_main_grad:
+        return grads
+    out = []
+    for param, grad in zip(params, grads):
+        main = getattr(param, "main_grad", None)
+        if main is None:        # not managed by fully_shard, or no gradient reached it
+            out.append(grad)
+        else:
+            out.append(main if main.dtype == param.dtype else main.astype(param.dtype))
+    return tuple(out)
+
+
 def _record(step: int, loss: float, seconds: float, before: PoolStats, after: PoolStats) -> StepRecord:
     copied = after.bytes_copied - before.bytes_copied
     copy_seconds = after.copy_seconds - before.copy_seconds
@@ -137,7 +154,8 @@ def _record(step: int, loss: float, seconds: float, before: PoolStats, after: Po
                       copy_gbps=copied / copy_seconds / 1e9 if copy_seconds > 0 else 0.0,
                       new_allocations=after.new_allocations - before.new_allocations,
                       high_water_bytes=after.high_water_bytes,
-                      stall_seconds=after.stall_seconds - before.stall_seconds)
+                      stall_seconds=after.stall_seconds - before.stall_seconds,
+                      stalls=after.stalls - before.stalls)
 
 
 def _mean_over_ranks(comm, value: float) -> float:
@@ -154,7 +172,7 @@ def train_reference(cfg: RunConfig, world: int) -> tuple[list[float], dict[str, 
     model = TinyDeepSeekV3(cfg.model, seed=cfg.train.seed)
     params = model.trainable_params()
     grad_fn = ms.value_and_grad(lambda tokens: next_token_loss(model, tokens), None, params)
-    optimizer = _optimizer(cfg, params)
+    optimizer = optimizer_for(cfg, params)
     losses = []
     for step in range(cfg.train.steps):
         total, step_losses = None, []

@@ -44,9 +44,8 @@ from gradpool.app.model import TinyDeepSeekV3, make_batch_np, next_token_loss
 from gradpool.app.train import (NonFiniteLossError, build_sharded_model, gathered_params,
                                 train_reference, train_sharded)
 from gradpool.layout import GradSlot
-from gradpool.runtime import reset_runtimes, runtime_for
-from gradpool.testing import FaultInjectingCommunicator
-from harness import Context, Suite, allclose, equal
+from gradpool.runtime import runtime_for
+from harness import Context, Suite, allclose, equal, late_communicators
 from hyper_parallel.core.dtensor.placement_types import Shard
 from npref import np_chunk, reduce_over_ranks, round_to, add_rounded
 
@@ -281,13 +280,22 @@ def probe_checks(ctx: Context, cfg, model) -> dict:
                 out[f"{label} {name}"] = _close(got[name], expected, tolerance)
         return out
 
+    # main_grad mode with the asynchronous reduce: autograd gets zeros, main_grad the reduce
+    asynchronous = use_main and cfg.gradpool.async_reduce
+
+    def returned(label, got: dict, key: str) -> dict:
+        if asynchronous:
+            return {f"{label}: zeros (async reduce)": equal(
+                all(not np.any(v) for v in got.values()), True)}
+        return compare(label, got, key)
+
     checks = {"probe covers every parameter": equal(sorted(managed), sorted(want["names"]))}
     model.zero_grad()
-    checks.update(compare("step-1 reduced shard grad", backward(0, True), "first"))
+    checks.update(returned("step-1 reduced shard grad", backward(0, True), "first"))
     if use_main:
         checks.update(compare("main_grad after 1 backward", main_grads(), "first"))
     second = backward(1, True)                  # no zero_grad: main_grad must add
-    checks.update(compare("2nd-backward reduced shard grad", second, "second"))
+    checks.update(returned("2nd-backward reduced shard grad", second, "second"))
     if use_main:
         checks.update(compare("main_grad after 2 synced backwards", main_grads(),
                               "main_two_syncs"))
@@ -298,8 +306,8 @@ def probe_checks(ctx: Context, cfg, model) -> dict:
     no_sync = backward(0, False)
     checks["no-sync micro-step returns zero grads"] = equal(
         all(not np.any(v) for v in no_sync.values()), True)
-    checks.update(compare("accumulated (2 micro-steps) reduced shard grad", backward(1, True),
-                          "accumulated"))
+    checks.update(returned("accumulated (2 micro-steps) reduced shard grad", backward(1, True),
+                           "accumulated"))
     if use_main:
         checks.update(compare("main_grad after 2 micro-steps", main_grads(), "accumulated"))
     model.set_requires_gradient_sync(True)
@@ -418,8 +426,10 @@ def reduce_in_bfloat16(ctx: Context) -> dict:
 
 
 @suite.case
-def two_micro_steps(ctx: Context) -> dict:
-    return run_case(ctx, ["train.micro_steps=2"])[0]
+def two_micro_steps_synchronous(ctx: Context) -> dict:
+    """Gradient accumulation with the synchronous reduce (``async_reduce`` off): each unit's
+    reduce completes in its backward and autograd returns the reduced shards."""
+    return run_case(ctx, ["train.micro_steps=2", "gradpool.async_reduce=false"])[0]
 
 
 @suite.case
@@ -469,30 +479,72 @@ def sgd_losses_see_the_gradient_scale(ctx: Context) -> dict:
     return checks
 
 
-@suite.case
-def collectives_complete_late(ctx: Context) -> dict:
+def _late_case(ctx: Context, overrides: list) -> dict:
     """Every collective runs at wait() (it reads its input bucket then), 20 ms after launch at the
     earliest: an input bucket released without its fence and re-packed meanwhile is reduced with
-    another gradient's values (or the pool's NaN poison), and the comparisons fail."""
-    from gradpool import runtime as runtime_module
-    original = runtime_module.communicator_for
-    made = []
-
-    def late(device=None, group=None):
-        comm = FaultInjectingCommunicator(original(device), delay_seconds=0.02,
-                                          read_input_at="wait")
-        made.append(comm)
-        return comm
-
-    runtime_module.communicator_for = late
-    reset_runtimes()
-    try:
-        checks = run_case(ctx, ["gradpool.max_buckets_in_flight=null"])[0]
-    finally:
-        runtime_module.communicator_for = original
-        reset_runtimes()
+    another gradient's values (or the pool's NaN poison), and the comparisons fail. With the
+    asynchronous reduce (main_grad mode) each non-root unit's backward must return with its
+    collectives still pending (none has run yet), and they land in main_grad at the root's end."""
+    with late_communicators() as made:
+        checks, model, _, _ = run_case(ctx, overrides)
     checks["collectives went through the late communicator"] = equal(
         bool(made) and made[0].launch_counts["reduce_scatter"] > 0, True)
+    units = [u for u in model._hsdp_units() if not u.is_root]    # pylint: disable=protected-access
+    checks["non-root units returned from backward with their reduce in flight, every time"] = \
+        equal(sorted({(u.async_stats.launched > 0,
+                       u.async_stats.returned_in_flight == u.async_stats.launched
+                       == u.async_stats.finished) for u in units}), [(True, True)])
+    return checks
+
+
+@suite.case
+def collectives_complete_late(ctx: Context) -> dict:
+    return _late_case(ctx, ["gradpool.max_buckets_in_flight=null"])
+
+
+@suite.case
+def collectives_complete_late_fused_micro_steps(ctx: Context) -> dict:
+    """The same with comm_fusion (small buckets: several per unit), two micro-steps and a bound
+    of one bucket in flight (acquires wait for the oldest fence)."""
+    return _late_case(ctx, ["fully_shard.comm_fusion=true", "gradpool.bucket_cap_mib=0.01",
+                            "gradpool.max_buckets_in_flight=1", "train.micro_steps=2"])
+
+
+@suite.case
+def forward_prefetch_launches_the_next_units_gathers_first(ctx: Context) -> dict:
+    """The root prefetches layer 0, layer 0 prefetches layer 1 (comm_fusion: one all-gather per
+    unit): all three gathers are launched before layer 0's forward runs, none when the layers'
+    forwards start, and the gradients are the reference's. Without prefetch each layer gathers
+    when its own forward starts (the order the prefetch must change)."""
+    want = probe_reference(Math(ctx.world_size, "float32", 1, "adam", 1e-3), ctx.comm)
+    cfg = from_dict({}, FIELD + ["fully_shard.comm_fusion=true"])
+    checks = {}
+    for prefetch in (False, True):
+        with late_communicators(delay_seconds=0.0) as made:
+            model = build_sharded_model(cfg)
+            log = made[0].launch_log
+            if prefetch:
+                model.set_modules_to_forward_prefetch([model.layers[0]])
+                model.layers[0].set_modules_to_forward_prefetch([model.layers[1]])
+            for index, layer in enumerate(model.layers):
+                layer.register_forward_pre_hook(
+                    lambda cell, inputs, index=index: log.append(f"forward layer {index}"))
+            params = model.trainable_params()
+            tokens = ms.Tensor(make_batch_np(cfg.model, 0, ctx.rank, ctx.world_size,
+                                             seed=cfg.train.seed))
+            ms.value_and_grad(lambda t: next_token_loss(model, t), None, params)(tokens)
+            forward = [name for name in log if name != "reduce_scatter"]
+            forward = forward[:forward.index("forward layer 1") + 1]
+            expected = (["all_gather"] * 3 + ["forward layer 0", "forward layer 1"] if prefetch
+                        else ["all_gather", "all_gather", "forward layer 0", "all_gather",
+                              "forward layer 1"])
+            label = "with" if prefetch else "without"
+            checks[f"all-gathers and forwards, {label} prefetch"] = equal(forward, expected)
+            for param in params:
+                checks[f"main_grad {param.name}, {label} prefetch"] = _close(
+                    _copy(param.main_grad),
+                    _local(param.hsdp_param, want["first"][param.name], ctx.rank),
+                    GRAD_TOL[ctx.world_size])
     return checks
 
 

@@ -35,6 +35,7 @@ msrun that is the launcher's report of the rank (``launch_suite`` puts it in OUT
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 import traceback
@@ -245,3 +246,28 @@ def _verify_check(where: str, check: dict) -> None:
                 f"{where}: message lacks {part!r}: {check['message']}"
     else:
         raise AssertionError(f"{where}: unknown check kind {kind!r}")
+
+
+@contextlib.contextmanager
+def late_communicators(delay_seconds: float = 0.02):
+    """Runtimes built inside get communicators (for every group) whose collectives run, read
+    their input and write their output only when waited on, ``delay_seconds`` after launch at
+    the earliest (``FaultInjectingCommunicator(read_input_at="wait")``); yields the list of
+    them. Runtimes are rebuilt on entry and forgotten on exit."""
+    from gradpool import runtime as runtime_module
+    from gradpool.testing import FaultInjectingCommunicator
+    original = runtime_module.communicator_for
+    made = []
+
+    def late(device=None, group=None):
+        made.append(FaultInjectingCommunicator(original(device, group), delay_seconds=delay_seconds,
+                                               read_input_at="wait"))
+        return made[-1]
+
+    runtime_module.communicator_for = late
+    runtime_module.reset_runtimes()
+    try:
+        yield made
+    finally:
+        runtime_module.communicator_for = original
+        runtime_module.reset_runtimes()

@@ -8,6 +8,7 @@ shard-group then replicate-group reduction), measured below 1e-6 for float32.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -24,7 +25,7 @@ from gradpool.app.model import TinyDeepSeekV3, next_token_loss
 from gradpool.app.train import (_batch, build_sharded_model, gathered_params, train_reference,
                                 train_sharded)
 from gradpool.runtime import runtime_for
-from harness import Context, Suite, allclose, equal
+from harness import Context, Suite, allclose, equal, late_communicators
 from hyper_parallel import clip_grad_norm_, fully_shard, init_device_mesh
 from hyper_parallel.core.dtensor.placement_types import Shard
 
@@ -46,11 +47,15 @@ def _close(actual: np.ndarray, expected: np.ndarray, tol: float = PARAM_TOL) -> 
 
 
 def train_against_reference(ctx: Context, overrides, replicate=None, placement=None,
-                            mesh_dims=(2, 2)) -> dict:
+                            late: bool = False) -> dict:
+    """``late``: every collective (both groups) runs when waited on, 20 ms after launch at the
+    earliest; with the asynchronous reduce each non-root unit's backward must return with its
+    reduce still pending."""
     cfg = from_dict({}, HSDP + list(overrides))
-    model = build_sharded_model(cfg, replicate=replicate, shard_placement_fn=placement)
-    runtime = runtime_for(cfg.gradpool)
-    records = train_sharded(cfg, model, runtime.comm, runtime.pool)
+    with late_communicators() if late else contextlib.nullcontext([]) as made:
+        model = build_sharded_model(cfg, replicate=replicate, shard_placement_fn=placement)
+        runtime = runtime_for(cfg.gradpool)
+        records = train_sharded(cfg, model, runtime.comm, runtime.pool)
     ref_losses, ref_params = train_reference(cfg, world=ctx.world_size)
     got = gathered_params(model)
     checks = {"losses": allclose(np.array([r.loss for r in records]), np.array(ref_losses),
@@ -68,6 +73,17 @@ def train_against_reference(ctx: Context, overrides, replicate=None, placement=N
         sorted({m.world_size for m in managed if not m.replicate}), [2])
     checks["every gradient verified"] = equal(
         min(m.verified_gradients for m in managed) >= STEPS, True)
+    units = [u for u in model._hsdp_units() if not u.is_root]   # pylint: disable=protected-access
+    asynchronous = cfg.gradpool.async_reduce and cfg.fully_shard.apply_grad_on_fp32_main_grad
+    checks["asynchronous reduce (main_grad mode) launched and finished in every unit"] = equal(
+        sorted({(u.async_stats.launched > 0, u.async_stats.launched == u.async_stats.finished)
+                for u in units}), [(asynchronous, True)])
+    if late:
+        checks["late collectives, both groups"] = equal(
+            sorted({c.launches > 0 for c in made}) + [len(made) >= 3], [True, True])
+        checks["non-root backwards returned with their reduce in flight"] = equal(
+            sorted({u.async_stats.returned_in_flight == u.async_stats.launched for u in units}),
+            [True])
     return checks
 
 
@@ -75,7 +91,6 @@ def _mesh_case(name, overrides, **kwargs):
     suite.add(name, lambda ctx: train_against_reference(ctx, overrides, **kwargs))
 
 
-_mesh_case("hsdp_tiny_per_gradient", [])
 _mesh_case("hsdp_tiny_fused", ["fully_shard.comm_fusion=true"])
 _mesh_case("hsdp_tiny_no_main_grad", ["fully_shard.apply_grad_on_fp32_main_grad=false",
                                        "fully_shard.comm_fusion=true"])
@@ -85,13 +100,16 @@ _mesh_case("hsdp_tiny_replicate_and_shard_dim_1", ["fully_shard.comm_fusion=true
 _mesh_case("hsdp_tiny_accumulate_all_reduce_last_micro_step",
            ["train.micro_steps=3", "fully_shard.all_reduce_every_micro_step=false",
             "fully_shard.comm_fusion=true"])
-_mesh_case("hsdp_tiny_accumulate_no_sync_micro_steps", ["train.micro_steps=2",
-                                                         "fully_shard.comm_fusion=true"])
+_mesh_case("hsdp_tiny_accumulate_no_sync_micro_steps_late", ["train.micro_steps=2",
+                                                              "fully_shard.comm_fusion=true"],
+           late=True)
+_mesh_case("hsdp_tiny_per_gradient_late", [], late=True)
 _mesh_case("hsdp_tiny_sum_scaled_by_one_quarter_sgd",
            ["fully_shard.reduce_op=sum", "fully_shard.gradient_scaling_factor=0.25",
             "train.optimizer=sgd", "train.learning_rate=0.5", "fully_shard.comm_fusion=true"])
-_mesh_case("hsdp_tiny_sgd_avg", ["train.optimizer=sgd", "train.learning_rate=0.5",
-                                 "fully_shard.comm_fusion=true"])
+_mesh_case("hsdp_tiny_sgd_avg_synchronous", ["train.optimizer=sgd", "train.learning_rate=0.5",
+                                             "fully_shard.comm_fusion=true",
+                                             "gradpool.async_reduce=false"])
 
 
 @suite.case

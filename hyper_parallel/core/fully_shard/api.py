@@ -2,8 +2,14 @@
 
 Pool options reach ``fully_shard`` one way: the keyword-only ``pool_config=`` argument, a
 :class:`gradpool.GradPoolConfig` (zero-copy, poison-on-release, bucket cap, alignment,
-buckets in flight, cache cap, gradient verification). Calls written for upstream pass none and
-get ``GradPoolConfig()``'s defaults.
+buckets in flight, cache cap, gradient verification, asynchronous reduce). Calls written for
+upstream pass none and get ``GradPoolConfig()``'s defaults.
+
+With ``MixedPrecisionPolicy(apply_grad_on_fp32_main_grad=True)`` the reduce is asynchronous by
+default (``GradPoolConfig.async_reduce``): each unit's backward only launches it, the results
+are added into ``main_grad`` at the end of backward, and the gradients ``value_and_grad`` returns
+for managed parameters are (shared) zeros: feed the optimizer from ``p.main_grad``. See the
+platform state module for the ordering on Ascend.
 """
 from __future__ import annotations
 
@@ -21,7 +27,8 @@ from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.core.fully_shard.utils import (CPUOffloadPolicy, MixedPrecisionPolicy,
                                                    OffloadPolicy)
 from hyper_parallel.platform.mindspore.fully_shard.param import MindSporeHSDPParamV2
-from hyper_parallel.platform.mindspore.fully_shard.state import HSDPUnitState
+from hyper_parallel.platform.mindspore.fully_shard.state import (HSDPUnitState,
+                                                                  finish_async_reduces)
 
 __all__ = ["fully_shard", "HSDPModule", "hsdp_sync_stream", "MixedPrecisionPolicy",
            "OffloadPolicy", "CPUOffloadPolicy"]
@@ -65,9 +72,9 @@ class HSDPModule:
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """True (default): the root unit's backward ends the step: it waits for every collective
-        still in flight on its pools (``hsdp_sync_stream``) before it returns; False leaves them
-        in flight (more micro-batches follow). Each unit's own reduce completes inside its
-        backward here, so what the root drains is what else was left in flight."""
+        still in flight (``hsdp_sync_stream``: asynchronous reduces land in ``main_grad``, fenced
+        buckets are recycled) before it returns; False leaves them in flight (more micro-batches
+        follow: each unit's next backward, ``zero_grad()`` or ``hsdp_sync_stream()`` lands them)."""
         self._set_all("is_last_backward", "is_last_backward", is_last_backward)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool) -> None:
@@ -90,12 +97,47 @@ class HSDPModule:
         for unit in self._hsdp_units():
             unit.gradient_scaling_factor = float(factor)
 
+    def set_modules_to_forward_prefetch(self, modules: list) -> None:
+        """When this module's unit starts its forward (right after its own all-gather), launch
+        the all-gathers of ``modules``' units asynchronously, so their parameters are ready
+        (or in flight) when those modules run; they then wait instead of gathering. A
+        prefetched gather no forward used is given back at the end of the step's backward."""
+        self._unit().forward_prefetch = self._prefetch_units("set_modules_to_forward_prefetch",
+                                                             modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list) -> None:
+        """Checked and recorded, with no effect on MindSpore 2.10: its autograd keeps the
+        parameters gathered in forward for backward, so backward never re-gathers and there is
+        nothing to prefetch. Takes effect the day backward re-gathers (reshard after forward
+        that frees the gathered tensors)."""
+        self._unit().backward_prefetch = self._prefetch_units("set_modules_to_backward_prefetch",
+                                                              modules)
+
+    def _unit(self) -> HSDPUnitState:
+        return self.__dict__["_hsdp_state"]
+
+    @staticmethod
+    def _prefetch_units(name: str, modules) -> list:
+        if not isinstance(modules, list):
+            raise InvalidArgumentError(
+                f"{name} takes a list of fully_shard modules, got {type(modules).__name__} "
+                f"{modules!r}")
+        units = []
+        for position, module in enumerate(modules):
+            if not isinstance(module, HSDPModule):
+                raise InvalidArgumentError(
+                    f"{name}: entry {position} is a {type(module).__name__}, not a module "
+                    "fully_shard was applied to; apply fully_shard to it first")
+            units.append(module.__dict__["_hsdp_state"])
+        return units
+
     def set_reduce_op_type(self, reduce_op_type: str) -> None:
         for unit in self._hsdp_units():
             unit.set_reduce_op(reduce_op_type)
 
     def zero_grad(self) -> None:
-        """Drop accumulated micro-step buckets, reduce outputs and ``main_grad``."""
+        """Drop accumulated micro-step buckets, reduce outputs and ``main_grad``; reduces still in
+        flight are waited first (so none lands after it)."""
         for unit in self._hsdp_units():
             unit.zero_grad()
 
@@ -117,10 +159,14 @@ class HSDPModule:
 
 
 def hsdp_sync_stream() -> None:
-    """Wait for every reduction still in flight (a no-op when nothing is). A unit's reductions
-    complete inside its backward; what can remain are the pools' fenced buckets."""
-    for runtime in all_runtimes():
-        runtime.pool.wait_all()
+    """Wait for every reduction still in flight (a no-op when nothing is): asynchronous reduces
+    (main_grad mode) are waited and added into ``main_grad``, in launch order, and the pools'
+    fenced buckets recycled. A collective that failed is raised here, after the rest settled."""
+    try:
+        finish_async_reduces()
+    finally:
+        for runtime in all_runtimes():
+            runtime.pool.wait_all()
 
 
 def _validate(modules, mp_policy, offload_policy, reshard_after_forward, comm_fusion,
@@ -275,7 +321,8 @@ def fully_shard(module: Union[nn.Cell, list], *, mesh: Optional[DeviceMesh] = No
             cell._params[attr] = managed.sharded_param    # pylint: disable=protected-access
     # A list is one unit, as upstream: one gather and one reduce per step for all its modules.
     unit = HSDPUnitState(modules, [m for _, m in params], reducer, mp_policy,
-                         reshard_after_forward)
+                         reshard_after_forward,
+                         async_reduce=config.async_reduce and mp_policy.apply_grad_on_fp32_main_grad)
     for mod in modules:
         _extend_class(mod)
         mod.__dict__["_hsdp_state"] = unit

@@ -191,6 +191,15 @@ class MindSporeHSDPParamV2:
 
     finish_reduce_input = finish_local_use     # its reduce has read it: verify, then drop
 
+    def reduce_in_flight(self) -> bool:
+        """This parameter's reduce result is launched and its collective not completed yet."""
+        return self._slot is not None and not self._slot.result.is_completed()
+
+    def drop_gradient(self) -> None:
+        """Forget autograd's gradient without checking it (its reduce result was settled)."""
+        self._grad = None
+        self._fingerprint = None
+
     def clear_reduce_scatter_output(self) -> None:
         """Return the output bucket to the pool (shared fused results are released once)."""
         if self._slot is not None:
@@ -202,12 +211,23 @@ class MindSporeHSDPParamV2:
         ``apply_grad_on_fp32_main_grad`` it is also accumulated into ``main_grad`` (float32)."""
         grad = reduced if reduced.dtype == self.orig_dtype else reduced.astype(self.orig_dtype)
         if self.use_main_grad:
-            main = self.sharded_param.main_grad
-            if main is None:
-                main = mint.zeros(self.local_shape, dtype=ms.float32)
-            # out-of-place: main_grad never aliases the pool bucket the shard lives in
-            self.sharded_param.main_grad = mint.add(main, reduced.astype(ms.float32))
+            self.add_to_main_grad(reduced)
         return grad
+
+    def add_to_main_grad(self, reduced: ms.Tensor) -> None:
+        """``main_grad += reduced`` in float32 (created on the first reduce after zero_grad)."""
+        main = self.sharded_param.main_grad
+        if main is None:
+            main = mint.zeros(self.local_shape, dtype=ms.float32)
+        # out-of-place: main_grad never aliases the pool bucket the shard lives in
+        self.sharded_param.main_grad = mint.add(main, reduced.astype(ms.float32))
+
+    def launched(self) -> None:
+        """The reduce of this gradient is in flight (asynchronous reduce): the reducer has copied
+        it into a pool bucket (or borrows it until the collective completes), so the reference is
+        dropped now; with ``verify_gradients`` it is kept, to be checked when the result is used."""
+        if self._fingerprint is None:
+            self._grad = None
 
     def zero_grad(self) -> None:
         self.clear_reduce_scatter_output()
@@ -234,9 +254,36 @@ class MindSporeHSDPParamV2:
 
 
 # -- one unit's all-gather -------------------------------------------------------------------------
-def all_gather_params(params: list, locals_: list, pool, *, fused: bool,
-                      host: bool = True) -> tuple:
-    """The full parameters (in ``param_dtype``) of one unit from their local shards.
+class PendingGather:
+    """A unit's all-gathers, launched (``async_op=True``); :meth:`wait` gives the full parameters
+    (in ``param_dtype``), once. Forward prefetch launches one early and its unit waits on it when
+    its forward starts; without prefetch a unit launches and waits at once."""
+
+    def __init__(self, count: int):
+        self._fulls: list = [None] * count
+        self._pending: list = []      # (indices, finish(): full tensors, abandon())
+
+    def wait(self) -> tuple:
+        try:
+            while self._pending:
+                indices, finish, _ = self._pending.pop(0)   # finish() settles its own buckets
+                for index, full in zip(indices, finish()):
+                    self._fulls[index] = full
+        except BaseException:
+            self.abandon()
+            raise
+        return tuple(self._fulls)
+
+    def abandon(self) -> None:
+        """Give back the gather buckets of what was not waited (fenced on its collective)."""
+        pending, self._pending = self._pending, []
+        for _, _, abandon in pending:
+            abandon()
+
+
+def launch_all_gather(params: list, locals_: list, pool, *, fused: bool,
+                      host: bool = True) -> PendingGather:
+    """Launch the all-gathers that make the full parameters of one unit from their local shards.
 
     ``fused`` (``comm_fusion=True``, like upstream's fused all-gather and PyTorch FSDP2's
     ``foreach_all_gather``): **one all-gather per local dtype** for all the unit's sharded
@@ -244,51 +291,94 @@ def all_gather_params(params: list, locals_: list, pool, *, fused: bool,
     :class:`ReduceScatterLayout` (``gradpool.pack.pack`` at world size 1: the same offsets and
     alignment as a reduce bucket), all-gathers the rows into a ``[W, row]`` bucket, and each full
     parameter is copied out of it (``gradpool.pack.unpack_gathered``, chunk geometry by
-    ``unshard``). Not fused: one all-gather per parameter (:meth:`MindSporeHSDPParamV2.unsharded`).
+    ``unshard``). Not fused: one all-gather per parameter.
 
-    Lifetime (why copy out): the full parameters never alias a gather bucket, so both buckets go
-    back to the pool as soon as the copies are done, and the next unit's gather or a reduce can
-    reuse them while autograd still holds this unit's parameters for backward. Keeping the lease
-    until the unit's backward instead would hold every unit's gather bucket for the whole step
-    (they all overlap between forward and backward) and leak one when a forward has no backward.
-    The cost is one copy of the gathered bytes, small next to a CPU collective."""
-    fulls: list = [None] * len(params)
+    Lifetime (why copy out): the full parameters never alias a gather bucket, so the buckets go
+    back to the pool as soon as the copies are done (the send bucket at launch, fenced on the
+    collective), and the next unit's gather or a reduce can reuse them while autograd still
+    holds this unit's parameters for backward. Keeping the lease until the unit's backward
+    instead would hold every unit's gather bucket for the whole step (they all overlap between
+    forward and backward) and leak one when a forward has no backward. The cost is one copy of
+    the gathered bytes, small next to a CPU collective."""
+    pending = PendingGather(len(params))
     groups: dict = {}
-    for index, (param, local) in enumerate(zip(params, locals_)):
-        if fused and not param.replicate and param.world_size > 1:
-            groups.setdefault(local.dtype, []).append(index)
-        else:
-            fulls[index] = param.unsharded(local)
-    for dtype, indices in groups.items():
-        members = [params[i] for i in indices]
-        gathered = _gather_bucket(members, [locals_[i] for i in indices], dtype, pool, host)
-        for index, param, full in zip(indices, members, gathered):
-            fulls[index] = param.in_param_dtype(full)
-    return tuple(fulls)
+    try:
+        for index, (param, local) in enumerate(zip(params, locals_)):
+            if param.replicate or param.world_size == 1:
+                full = param.in_param_dtype(local)     # nothing to gather, and no padding
+                pending._pending.append(([index], lambda full=full: [full], lambda: None))
+            elif fused:
+                groups.setdefault(local.dtype, []).append(index)
+            else:
+                pending._pending.append(([index], *_launch_one_gather(param, local)))
+        for dtype, indices in groups.items():
+            members = [params[i] for i in indices]
+            pending._pending.append((indices, *_launch_bucket_gather(
+                members, [locals_[i] for i in indices], dtype, pool, host)))
+    except BaseException:
+        pending.abandon()
+        raise
+    return pending
 
 
-def _gather_bucket(members: list, locals_: list, dtype, pool, host: bool) -> list:
+def all_gather_params(params: list, locals_: list, pool, *, fused: bool,
+                      host: bool = True) -> tuple:
+    """The full parameters of one unit (:func:`launch_all_gather`, waited at once)."""
+    return launch_all_gather(params, locals_, pool, fused=fused, host=host).wait()
+
+
+def _launch_one_gather(param: MindSporeHSDPParamV2, local: ms.Tensor):
+    numel = param.slot.chunk_numel
+    gathered = mint.empty(numel * param.world_size, dtype=local.dtype)
+    handle = param.comm.all_gather(gathered, local.reshape(numel), async_op=True)
+
+    def finish() -> list:
+        handle.wait()
+        return [param.in_param_dtype(unshard(gathered, param.slot))]
+
+    def abandon() -> None:
+        # the collective may still write into ``gathered``: it must outlive it
+        try:
+            handle.wait()
+        except Exception:  # noqa: BLE001 - abandoned because something else failed first
+            logger.warning("an abandoned all-gather of %s failed too", param.name)
+
+    return finish, abandon
+
+
+def _launch_bucket_gather(members: list, locals_: list, dtype, pool, host: bool):
     """One all-gather of ``members``' local shards through two pool leases (send row, gathered
-    ``[W, row]``), both released before this returns; the full tensors own their memory."""
+    ``[W, row]``): the send bucket is released at launch, fenced on the collective; the gathered
+    one when its full tensors have been copied out (they own their memory)."""
     comm = members[0].comm
     align = pool.alignment_elements(dtype)
     layout = ReduceScatterLayout.build([m.orig_shape for m in members], comm.world_size, align,
                                        [m.shard_dim for m in members])
     row = ReduceScatterLayout.build([m.local_shape for m in members], 1, align)
-    send = pool.acquire(row.total_numel, dtype)
-    recv = None
+    taken: list = []
     handle = None
     try:
+        send = pool.acquire(row.total_numel, dtype, holder=taken)
         written = pack_bucket(send, locals_, row, host=host)
-        recv = pool.acquire(layout.total_numel, dtype)
-        handle = comm.all_gather(recv.tensor, send.tensor, async_op=False)
-        handle.wait()
-        fulls = unpack_gathered(recv, layout, host=host)
-        if not (written.on_host and host):
-            synchronize()   # queued device copies still read the bucket: done before recycling
-        return fulls
-    finally:
-        # Fenced on the collective (complete here, or failed: over as far as memory goes).
-        send.release(handle)
-        if recv is not None:
-            recv.release()
+        recv = pool.acquire(layout.total_numel, dtype, holder=taken)
+        handle = comm.all_gather(recv.tensor, send.tensor, async_op=True)
+    except BaseException:
+        for lease in taken:
+            lease.release(handle)
+        raise
+    send.release(handle)
+
+    def finish() -> list:
+        try:
+            handle.wait()
+            fulls = unpack_gathered(recv, layout, host=host)
+            if not (written.on_host and host):
+                synchronize()   # queued device copies still read the bucket: done before recycling
+        finally:
+            recv.release(handle)    # complete here, or failed: over as far as memory goes
+        return [m.in_param_dtype(full) for m, full in zip(members, fulls)]
+
+    def abandon() -> None:
+        recv.release(handle)
+
+    return finish, abandon

@@ -10,11 +10,36 @@ module.trainable_params())`` therefore returns the reduced shard gradients direc
 With ``set_requires_gradient_sync(False)`` a backward packs (first micro-step) or accumulates
 (later ones) the gradients into the unit's pool buckets and returns zero shard gradients; the
 next synchronized backward adds its own gradients and reduces the buckets once.
+
+**Asynchronous reduce** (``main_grad`` mode, ``GradPoolConfig.async_reduce``, the default there).
+A unit's backward launches its reduce (reduce-scatter; for HSDP also the replicate all-reduce)
+and returns at once, handing autograd shared zeros (one read-only tensor per shape and dtype,
+never written: do not write into the gradients ``value_and_grad`` returns). The results are
+waited and added into each parameter's float32 ``main_grad`` exactly once, in launch order, when
+the root unit's backward ends (the last thing autograd runs, like FSDP2's final callback) or
+earlier by ``hsdp_sync_stream()``, ``zero_grad()`` or the unit's own next backward. So when
+``value_and_grad`` returns, every ``main_grad`` is final (with ``set_is_last_backward(False)``
+only after ``hsdp_sync_stream()``); step the optimizer from ``p.main_grad``.
+Without ``main_grad`` the reduce stays synchronous: autograd must get each unit's reduced
+shard gradients back from that unit's backward, so the unit has to wait for them there.
+
+How this maps to Ascend streams: every collective is launched with ``async_op=True`` on
+MindSpore's communication stream while backward goes on queueing compute. The input bucket goes
+back to the pool fenced on the collective's handle, so it is leased again only after the
+collective completed. The drain calls ``wait()`` on each handle (MindSpore's ``CommHandle.wait()``
+orders the current, compute stream after the collective) before ``main_grad`` is computed from
+the output bucket, and only then releases the output bucket. The in-flight memory is bounded by
+the pool: at ``max_buckets_in_flight`` fenced input buckets of a dtype, the next ``acquire``
+waits for the oldest (a stall, counted in the pool's statistics). HSDP: the replicate all-reduce
+reads the reduce-scatter's output, so the reducer waits on the reduce-scatter's handle before it
+launches the all-reduce (a stream wait on Ascend; on CPU the host waits): only the all-reduce is
+left in flight there.
 """
 from __future__ import annotations
 
 import logging
 import weakref
+from dataclasses import dataclass
 from typing import Optional
 
 import mindspore as ms
@@ -23,10 +48,57 @@ from mindspore.common._grad_function import _Function
 
 from gradpool import SUPPORTED_DTYPES, GradReducer, PackedBucket, check_reduce_op
 from hyper_parallel.platform.mindspore.fully_shard.param import (MindSporeHSDPParamV2,
-                                                                  all_gather_params)
+                                                                  PendingGather,
+                                                                  launch_all_gather)
 
 logger = logging.getLogger(__name__)
 _UNITS: list = []        # weak references to every unit (to find the roots)
+_IN_FLIGHT: list = []    # units whose asynchronous reduce is not in main_grad yet, launch order
+_ZEROS: dict = {}        # (shape, dtype) -> the shared zero gradient handed to autograd
+
+
+def shared_zeros(shape: tuple, dtype) -> ms.Tensor:
+    """One zero tensor per (shape, dtype), handed to autograd for every parameter of that shape
+    whose real gradient goes elsewhere (no allocation per step). Nothing writes into it."""
+    key = (tuple(shape), dtype)
+    zeros = _ZEROS.get(key)
+    if zeros is None:
+        zeros = _ZEROS[key] = mint.zeros(key[0], dtype=dtype)
+    return zeros
+
+
+def finish_async_reduces() -> None:
+    """Wait for every asynchronous reduce still in flight and add it into ``main_grad``, in
+    launch order (the same on every rank). A failed collective is raised once every other one
+    is settled: no lease stays live, and nothing is added twice."""
+    error: Optional[BaseException] = None
+    while _IN_FLIGHT:
+        try:
+            _IN_FLIGHT[0].finish_async_reduce()
+        except Exception as exc:  # noqa: BLE001 - the first failure is raised below
+            error = error if error is not None else exc
+    if error is not None:
+        raise error
+
+
+def _live_units() -> list:
+    return [unit for unit in (ref() for ref in _UNITS) if unit is not None]
+
+
+def _abandon_prefetches() -> None:
+    for unit in _live_units():
+        if unit._prefetched is not None:                        # pylint: disable=protected-access
+            pending, unit._prefetched = unit._prefetched, None   # pylint: disable=protected-access
+            pending.abandon()
+
+
+@dataclass
+class AsyncReduceStats:
+    """Counters of one unit's asynchronous reduces."""
+
+    launched: int = 0            # backwards that left their reduce in flight
+    returned_in_flight: int = 0  # ... whose collective had not completed when the backward returned
+    finished: int = 0            # reduces waited and added into main_grad
 
 
 def _make_gather_function(unit: "HSDPUnitState"):
@@ -47,8 +119,11 @@ class HSDPUnitState:
     modules of one ``fully_shard([a, b, ...])`` call (gathered together, reduced together)."""
 
     def __init__(self, modules: list, params: list[MindSporeHSDPParamV2], reducer: GradReducer,
-                 mp_policy, reshard_after_forward: bool):
+                 mp_policy, reshard_after_forward: bool, async_reduce: bool = False):
+        """``async_reduce``: leave each backward's reduce in flight (main_grad mode only)."""
         self.modules = list(modules)
+        self.async_reduce = async_reduce
+        self.async_stats = AsyncReduceStats()
         self.params = params
         self.reducer = reducer
         self.mp_policy = mp_policy
@@ -64,6 +139,10 @@ class HSDPUnitState:
         self._forwarded: set[int] = set()     # modules of this unit run since the last gather
         self._gathered = False
         self._is_root: Optional[bool] = None
+        self._drained: Optional[bool] = None
+        self.forward_prefetch: list["HSDPUnitState"] = []     # units gathered when this one is
+        self.backward_prefetch: list["HSDPUnitState"] = []    # recorded (see the setter)
+        self._prefetched: Optional[PendingGather] = None
         for param in params:
             param.unit = self
         for module in self.modules:
@@ -81,13 +160,37 @@ class HSDPUnitState:
         """No other unit's module contains this unit's modules (its backward runs last). Known
         once a backward has run: units are all built by then."""
         if self._is_root is None:
-            mine = {id(m) for m in self.modules}
-            others = [ref() for ref in _UNITS]
-            self._is_root = not any(
-                mine & ({id(cell) for _, cell in module.cells_and_names()} - {id(module)})
-                for other in others if other is not None and other is not self
-                for module in other.modules)
+            self._is_root = not any(other.contains(self) for other in _live_units()
+                                    if other is not self)
         return self._is_root
+
+    def contains(self, other: "HSDPUnitState") -> bool:
+        """One of this unit's modules has one of ``other``'s modules strictly inside it."""
+        theirs = {id(m) for m in other.modules}
+        return any(theirs & ({id(cell) for _, cell in module.cells_and_names()} - {id(module)})
+                   for module in self.modules)
+
+    @property
+    def ends_backward(self) -> bool:
+        """A root whose own backward runs (it has parameters, so autograd calls its gather's
+        backward, after every unit inside it): where the asynchronous reduces are drained."""
+        return self.is_root and bool(self.params)
+
+    @property
+    def can_leave_reduce_in_flight(self) -> bool:
+        """Some unit's backward ends the step after this one's (this unit, or a root containing
+        it, with parameters of its own). A root without parameters has no backward of its own,
+        so nothing would wait for a reduce left in flight: its units reduce synchronously."""
+        if self._drained is None:
+            self._drained = self.ends_backward or any(
+                other.ends_backward and other.contains(self) for other in _live_units())
+            if self.async_reduce and not self._drained:
+                logger.warning(
+                    "fully_shard unit %s: its root unit has no parameters of its own, so no "
+                    "backward ends the step; reducing synchronously (apply fully_shard to a "
+                    "root that owns parameters, e.g. the embedding, to overlap the reduce)",
+                    [type(m).__name__ for m in self.modules])
+        return self._drained
 
     # -- forward ----------------------------------------------------------------------------------
     def _pre_forward(self, cell, inputs):
@@ -99,6 +202,8 @@ class HSDPUnitState:
                 fulls = (fulls,)
             self._install(fulls)
             self._gathered = True
+            for unit in self.forward_prefetch:
+                unit.prefetch()
         dtype = self.mp_policy.param_dtype
         if dtype is not None and self.mp_policy.cast_forward_inputs:
             return tuple(_cast_floating(x, dtype) for x in inputs)
@@ -135,30 +240,77 @@ class HSDPUnitState:
 
     def gather(self, local_params) -> tuple:
         """The unit's full parameters: with ``comm_fusion`` one all-gather per dtype into pool
-        buckets (``param.all_gather_params``), else one per parameter; ``comm_fusion`` governs
-        both directions, as upstream."""
-        return all_gather_params(self.params, list(local_params), self.reducer.pool,
+        buckets (``param.launch_all_gather``), else one per parameter; ``comm_fusion`` governs
+        both directions, as upstream. A gather another unit's forward prefetched is waited."""
+        pending, self._prefetched = self._prefetched, None
+        if pending is None:
+            pending = self._launch_gather(local_params)
+        return pending.wait()
+
+    def _launch_gather(self, local_params) -> PendingGather:
+        return launch_all_gather(self.params, list(local_params), self.reducer.pool,
                                  fused=self.reducer.config.comm_fusion,
                                  host=self.reducer.config.host_copies)
+
+    def prefetch(self) -> None:
+        """Launch this unit's all-gathers now (another unit's forward started), unless they are
+        launched or done already; its own forward then waits on them."""
+        if self._gathered or self._prefetched is not None or not self.params:
+            return
+        self._prefetched = self._launch_gather([p.sharded_param for p in self.params])
 
     # -- backward ---------------------------------------------------------------------------------
     def on_backward(self, grads) -> tuple:
         grads = [g if g is not None else mint.zeros(p.orig_shape, dtype=p.param_dtype or p.orig_dtype)
                  for p, g in zip(self.params, grads)]
+        # this unit's reduce of an earlier backward (set_is_last_backward(False)) lands first
+        self.finish_async_reduce()
         for param, grad in zip(self.params, grads):
             param.set_unsharded_grad(grad)
         if not self.requires_sync:
             self._accumulate(self.params)
             self._end_of_backward()
-            return tuple(mint.zeros(p.local_shape, dtype=p.orig_dtype) for p in self.params)
+            return self._zero_grads()
         self.reduce(self.params, self.reduce_op)
         if self._holds_partials():
             out = self._keep_partials()
+        elif self.async_reduce and self.can_leave_reduce_in_flight:
+            out = self._leave_in_flight()
         else:
             out = tuple(p.apply_reduced_grad(self._scaled(p.reduce_scatter_output()))
                         for p in self.params)
         self._end_of_backward()
         return out
+
+    def _zero_grads(self) -> tuple:
+        return tuple(shared_zeros(p.local_shape, p.orig_dtype) for p in self.params)
+
+    # -- asynchronous reduce (main_grad mode) -----------------------------------------------------
+    def _leave_in_flight(self) -> tuple:
+        """The reduce just launched stays in flight; autograd gets zeros."""
+        for param in self.params:
+            param.launched()
+        self.async_stats.launched += 1
+        if any(p.reduce_in_flight() for p in self.params):
+            self.async_stats.returned_in_flight += 1
+        _IN_FLIGHT.append(self)
+        return self._zero_grads()
+
+    def finish_async_reduce(self) -> None:
+        """Wait for this unit's reduce still in flight (if any) and add it into ``main_grad``."""
+        if self not in _IN_FLIGHT:
+            return
+        _IN_FLIGHT.remove(self)         # taken off first: whatever happens, it is applied once
+        try:
+            # every result waited before any main_grad changes (fused results are shared)
+            shards = [p.reduce_scatter_output() for p in self.params]
+            for param, shard in zip(self.params, shards):
+                param.add_to_main_grad(self._scaled(shard))
+            self.async_stats.finished += 1
+        finally:
+            for param in self.params:
+                param.clear_reduce_scatter_output()
+                param.drop_gradient()
 
     # -- HSDP without the replicate all-reduce (set_requires_all_reduce(False)) -------------------
     def _holds_partials(self) -> bool:
@@ -173,7 +325,7 @@ class HSDPUnitState:
             param.partial = shard if param.partial is None else mint.add(param.partial, shard)
         for param in self.params:
             param.clear_reduce_scatter_output()
-        return tuple(mint.zeros(p.local_shape, dtype=p.orig_dtype) for p in self.params)
+        return self._zero_grads()
 
     def _add_partials_and_all_reduce(self, op: str) -> None:
         """The backward with the all-reduce after ones without: reduce-scatter this backward in
@@ -221,8 +373,13 @@ class HSDPUnitState:
         if self.reshard_after_backward:
             self.uninstall()            # what unshard() installed goes with the backward
         if self.is_root and self.is_last_backward:
-            # the root's backward ends the step: nothing of it may still be in flight
-            self.reducer.pool.wait_all()
+            # the root's backward ends the step: nothing of it may still be in flight, and a
+            # prefetched gather no forward used would hold parameters the optimizer changes
+            _abandon_prefetches()
+            try:
+                finish_async_reduces()
+            finally:
+                self.reducer.pool.wait_all()
 
     def reduce(self, params: list[MindSporeHSDPParamV2], op: str) -> None:
         """The unit's one reduce path: hand the gradients of ``params`` (and, for the whole unit,
@@ -310,6 +467,14 @@ class HSDPUnitState:
         self.reduce_op = op
 
     def zero_grad(self) -> None:
+        """Drop this unit's gradients; reduces still in flight (any unit's, in launch order) are
+        waited first, so none lands after the zeroing or is lost in flight."""
+        try:
+            finish_async_reduces()
+        finally:
+            self._zero_grad()
+
+    def _zero_grad(self) -> None:
         if self._pending is not None:
             for buckets in self._pending:
                 self.reducer.discard(buckets)

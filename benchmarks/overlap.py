@@ -1,0 +1,221 @@
+"""``gradpool bench --suite overlap``: how much collective latency the asynchronous reduce hides
+behind backward compute, on a CPU, without an accelerator.
+
+Every collective goes through :class:`gradpool.testing.LatencyCommunicator`: it completes a fixed
+wall-clock latency L after it starts, one at a time (one link), using no CPU, like a network.
+The tiny DeepSeek-V3 model trains at world size 1, in main_grad mode with ``comm_fusion`` (one
+reduce bucket per unit), in three modes, their steps interleaved:
+
+* ``sync``: ``async_reduce=False``: every unit waits for its reduce inside its backward;
+* ``async``: each unit's backward only launches its reduce; the root's backward end waits;
+* ``async, max_buckets_in_flight=1``: the same, with the pool's bound at one fenced input bucket.
+
+L defaults to one decoder layer's backward compute, measured first (the time between two layers'
+reduce hooks with L = 0). The model has ``--layers`` decoder layers (8 by default, where the
+shipped tiny config has 2): the root unit's reduce starts when backward has nothing left to
+compute, and the last layer's has only the embedding's gradient behind it, so at most
+``(layers - 1) / (layers + 1)`` of the latency can be hidden (1/3 with 2 layers, 7/9 with 8).
+
+Latency hidden = (sync - async) / (collectives per step x L). The three models start equal and see
+the same batches, so after timing their parameters must be equal bit for bit (checked: a reduce
+applied twice, lost or read early would show here).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "deepseek3_tiny.yaml"
+MODES = (("sync", ["gradpool.async_reduce=false"]),
+         ("async", []),
+         ("async, max_buckets_in_flight=1", ["gradpool.max_buckets_in_flight=1"]))
+BASE = ["fully_shard.comm_fusion=true", "fully_shard.apply_grad_on_fp32_main_grad=true",
+        "fully_shard.reduce_dtype=float32", "gradpool.verify_gradients=false",
+        "gradpool.poison_on_release=false", "gradpool.max_buckets_in_flight=2"]
+
+
+class OverlapBenchmarkError(RuntimeError):
+    """The benchmark's own check failed (the modes trained differently)."""
+
+
+@dataclass(frozen=True)
+class OverlapOptions:
+    layers: int = 8
+    steps: int = 8                     # timed steps per mode (after one warm-up step)
+    latency_ms: Optional[float] = None    # None: one layer's backward compute, measured
+
+    @classmethod
+    def quick(cls) -> "OverlapOptions":
+        return cls(steps=3)
+
+
+@dataclass
+class ModeResult:
+    name: str
+    step_seconds: list = field(default_factory=list)
+    high_water_bytes: int = 0
+    stalls: list = field(default_factory=list)        # per timed step
+    collectives: list = field(default_factory=list)   # per timed step
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.step_seconds) * 1e3
+
+
+@dataclass
+class OverlapResult:
+    options: OverlapOptions
+    latency_seconds: float
+    layer_backward_seconds: float
+    modes: list
+
+    def mode(self, name: str) -> ModeResult:
+        return next(m for m in self.modes if m.name == name)
+
+    @property
+    def collectives_per_step(self) -> int:
+        return self.mode("sync").collectives[-1]
+
+    @property
+    def hidden_fraction(self) -> float:
+        saved = (self.mode("sync").median_ms - self.mode("async").median_ms) / 1e3
+        return saved / (self.collectives_per_step * self.latency_seconds)
+
+
+class _Trainer:
+    """One model of one mode on its own runtime (pool + latency network)."""
+
+    def __init__(self, overrides: list, latency_seconds: float):
+        import mindspore as ms
+        from gradpool.app.config import load_config
+        from gradpool.app.train import build_sharded_model, optimizer_for
+        from gradpool.comm import SingleProcessCommunicator
+        from gradpool.runtime import install_runtime
+        from gradpool.testing import LatencyCommunicator
+        from gradpool.app.model import next_token_loss
+
+        self.cfg = load_config(CONFIG, overrides)
+        self.comm = LatencyCommunicator(SingleProcessCommunicator(), latency_seconds)
+        self.runtime = install_runtime(self.cfg.gradpool, self.comm)
+        self.model = build_sharded_model(self.cfg)
+        self.params = self.model.trainable_params()
+        self.grad_fn = ms.value_and_grad(lambda t: next_token_loss(self.model, t), None,
+                                         self.params)
+        self.optimizer = optimizer_for(self.cfg, self.params)
+
+    def step(self, index: int) -> tuple:
+        """(seconds, collectives, stalls) of one optimizer step."""
+        import mindspore as ms
+        from gradpool.app.model import make_batch_np
+        from gradpool.app.train import optimizer_grads
+        tokens = ms.Tensor(make_batch_np(self.cfg.model, index, 0, 1, seed=self.cfg.train.seed))
+        launches, stalls = self.comm.launches, self.runtime.pool.stats().stalls
+        start = time.perf_counter()
+        self.model.zero_grad()
+        _, grads = self.grad_fn(tokens)
+        self.optimizer(optimizer_grads(self.cfg, self.params, grads))
+        seconds = time.perf_counter() - start
+        return seconds, self.comm.launches - launches, self.runtime.pool.stats().stalls - stalls
+
+    def params_bytes(self) -> list:
+        return [p.asnumpy().tobytes() for p in self.params]
+
+
+def _layer_backward_seconds(layers: int) -> float:
+    """Median time between two consecutive decoder layers' reduce hooks (their backward compute),
+    with no latency, synchronous reduce: what one layer's backward costs on this machine."""
+    from gradpool.runtime import reset_runtimes
+    reset_runtimes()
+    trainer = _Trainer(BASE + MODES[0][1] + [f"model.num_layers={layers}"], 0.0)
+    entered, left = {}, {}
+    for index, layer in enumerate(trainer.model.layers):
+        unit = layer.__dict__["_hsdp_state"]
+
+        def timed(grads, unit=unit, index=index):
+            entered.setdefault(index, []).append(time.perf_counter())
+            try:
+                return type(unit).on_backward(unit, grads)
+            finally:
+                left.setdefault(index, []).append(time.perf_counter())
+        unit.on_backward = timed
+    for step in range(3):
+        trainer.step(step)
+    gaps = [entered[i - 1][s] - left[i][s] for i in range(1, layers) for s in (1, 2)]
+    reset_runtimes()
+    return statistics.median(gaps)
+
+
+def run(options: OverlapOptions = OverlapOptions()) -> OverlapResult:
+    import mindspore as ms
+    from gradpool.runtime import reset_runtimes
+    ms.set_device("CPU")
+    if options.layers < 2:
+        raise OverlapBenchmarkError(f"--layers must be >= 2, got {options.layers}")
+    layer_seconds = _layer_backward_seconds(options.layers)
+    latency = layer_seconds if options.latency_ms is None else options.latency_ms / 1e3
+    reset_runtimes()
+    trainers = {name: _Trainer(BASE + extra + [f"model.num_layers={options.layers}"], latency)
+                for name, extra in MODES}
+    results = {name: ModeResult(name) for name, _ in MODES}
+    try:
+        for step in range(1 + options.steps):
+            for name, trainer in trainers.items():       # interleaved: same machine state
+                seconds, collectives, stalls = trainer.step(step)
+                if step:                                  # step 0 warms up
+                    results[name].step_seconds.append(seconds)
+                    results[name].collectives.append(collectives)
+                    results[name].stalls.append(stalls)
+        for name, trainer in trainers.items():
+            results[name].high_water_bytes = trainer.runtime.pool.stats().high_water_bytes
+        reference = trainers["sync"].params_bytes()
+        for name, trainer in trainers.items():
+            if trainer.params_bytes() != reference:
+                raise OverlapBenchmarkError(
+                    f"mode {name!r} trained other parameters than the synchronous mode")
+    finally:
+        reset_runtimes()
+    return OverlapResult(options, latency, layer_seconds, [results[name] for name, _ in MODES])
+
+
+def report_lines(result: OverlapResult) -> list:
+    """What ``gradpool bench --suite overlap`` prints; the last line is the summary."""
+    opts = result.options
+    lines = [f"overlap: tiny DeepSeek-V3 model with {opts.layers} decoder layers, world size 1, "
+             f"comm_fusion on, main_grad mode; {result.collectives_per_step} collectives per step, "
+             f"each {result.latency_seconds * 1e3:.2f} ms on one link (one layer's backward "
+             f"compute: {result.layer_backward_seconds * 1e3:.2f} ms); median of {opts.steps} "
+             "steps per mode, interleaved"]
+    width = max(len(m.name) for m in result.modes)
+    for mode in result.modes:
+        spread = (min(mode.step_seconds) * 1e3, max(mode.step_seconds) * 1e3)
+        lines.append(f"  {mode.name:<{width}}  step {mode.median_ms:8.1f} ms "
+                     f"(min {spread[0]:.1f}, max {spread[1]:.1f})  pool high-water "
+                     f"{mode.high_water_bytes / 1024:.1f} KiB  stalls/step "
+                     f"{statistics.fmean(mode.stalls):.1f}")
+    lines.append(f"overlap: sync {result.mode('sync').median_ms:.1f} ms, async "
+                 f"{result.mode('async').median_ms:.1f} ms, latency hidden "
+                 f"{result.hidden_fraction * 100:.0f}%")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.overlap", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="3 timed steps per mode")
+    parser.add_argument("--layers", type=int, default=OverlapOptions.layers)
+    parser.add_argument("--latency-ms", type=float, default=None)
+    args = parser.parse_args(argv)
+    base = OverlapOptions.quick() if args.quick else OverlapOptions()
+    options = OverlapOptions(layers=args.layers, steps=base.steps, latency_ms=args.latency_ms)
+    for line in report_lines(run(options)):
+        print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
