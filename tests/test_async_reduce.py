@@ -283,3 +283,25 @@ def test_a_root_without_parameters_reduces_synchronously(caplog):
     for param, expected in zip(model.trainable_params(), want):
         np.testing.assert_array_equal(param.main_grad.asnumpy(), expected.asnumpy())
     runtime_module.reset_runtimes()
+
+
+def test_the_per_parameter_reduce_api_lands_an_in_flight_reduce_first(comms):
+    """Upstream's per-parameter calls on a unit whose asynchronous reduce is still in flight:
+    that reduce lands in main_grad first (not dropped), then the new one reduces."""
+    comms(late)
+    cfg = from_dict({}, FIELD)
+    model = build_sharded_model(cfg)
+    want = _reference_grads(cfg)
+    model.set_is_last_backward(False)
+    _grad_fn(model)(make_batch(cfg.model, 0, seed=cfg.train.seed))
+    param = model.trainable_params()[0]
+    managed = param.hsdp_param
+    assert param.main_grad is None and managed.unit in unit_state._IN_FLIGHT
+    extra = np.ones(managed.orig_shape, np.float32)
+    managed.set_unsharded_grad(ms.Tensor(extra))
+    managed.reduce_scatter_grad(async_op=False, reduce_op="sum")
+    np.testing.assert_array_equal(param.main_grad.asnumpy(), want[0])   # the in-flight one
+    np.testing.assert_array_equal(managed.reduce_scatter_output().asnumpy(), extra)
+    managed.clear_reduce_scatter_output()
+    model.set_is_last_backward(True)
+    hsdp_sync_stream()

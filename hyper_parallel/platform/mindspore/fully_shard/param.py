@@ -133,7 +133,10 @@ class MindSporeHSDPParamV2:
         return self.param_dtype or self.orig_dtype
 
     def set_unsharded_grad(self, grad: ms.Tensor) -> None:
-        """Take autograd's gradient for the reduce path. Held by reference only, never freed."""
+        """Take autograd's gradient for the reduce path. Held by reference only, never freed.
+        A reduce of this unit still in flight (asynchronous reduce) lands in main_grad first."""
+        if self.unit is not None:
+            self.unit.finish_async_reduce()
         if tuple(grad.shape) != self.orig_shape:
             raise InvalidArgumentError(
                 f"gradient of {self.name} has shape {tuple(grad.shape)}, expected {self.orig_shape}")
