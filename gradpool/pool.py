@@ -346,8 +346,10 @@ class BucketPool:
         return freed
 
     def wait_all(self) -> None:
-        """Wait for every pending fence, then recycle those buckets."""
+        """Wait for every pending fence, then recycle those buckets (a fence that completed
+        already is recycled without a wait: only real waits count as stalls)."""
         with self._lock:
+            self._reap()
             for bucket in sorted(self._in(_FENCED), key=lambda b: b.fenced_order):
                 self._wait_for(bucket)
 

@@ -295,3 +295,25 @@ def test_in_flight_bound_ignores_live_leases_and_waits_only_at_the_bound():
     assert s.fenced_buckets == 1
     for lease in held:
         lease.release()
+
+
+def test_wait_all_counts_only_real_waits_as_stalls():
+    class Fence:
+        def __init__(self, done):
+            self.done, self.waits = done, 0
+
+        def is_completed(self):
+            return self.done
+
+        def wait(self):
+            self.waits += 1
+            self.done = True
+
+    pool = BucketPool(device="CPU", alignment_bytes=4)
+    done, pending = Fence(False), Fence(False)
+    pool.acquire(8, ms.float32).release(done)
+    pool.acquire(8, ms.float32).release(pending)
+    done.done = True                      # completed since its release, never waited
+    pool.wait_all()
+    stats = pool.stats()
+    assert (done.waits, pending.waits, stats.stalls, stats.fenced_buckets) == (0, 1, 1, 0)
