@@ -162,23 +162,6 @@ class FaultInjectingCommunicator(Communicator):
         return self.fail_wait if isinstance(self.fail_wait, BaseException) else None
 
 
-class _LinkHandle(CommHandle):
-    """Completes at ``ready_at`` (the data was written at launch); ``wait()`` sleeps until then."""
-
-    def __init__(self, inner: CommHandle, ready_at: float):
-        self._inner = inner
-        self._ready_at = ready_at
-
-    def wait(self) -> None:
-        remaining = self._ready_at - time.monotonic()
-        if remaining > 0:
-            time.sleep(remaining)
-        self._inner.wait()
-
-    def is_completed(self) -> bool:
-        return time.monotonic() >= self._ready_at and self._inner.is_completed()
-
-
 class LatencyCommunicator(Communicator):
     """A network in front of a communicator: every asynchronous collective completes
     ``latency_seconds`` after it starts, and it starts when launched or when the previous one
@@ -217,7 +200,7 @@ class LatencyCommunicator(Communicator):
     def _send(self, inner: CommHandle, async_op: bool) -> CommHandle:
         self.launches += 1
         self._link_free_at = max(time.monotonic(), self._link_free_at) + self.latency_seconds
-        handle = _LinkHandle(inner, self._link_free_at)
+        handle = _DelayedHandle(inner, self._link_free_at, None)   # the data is already written
         if not async_op:
             handle.wait()
         return handle

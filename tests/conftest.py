@@ -1,4 +1,5 @@
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))   # tests/ helpers (npref, distributed harness)
+sys.path.insert(0, os.path.dirname(__file__))   # tests/ helpers (npref)
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "distributed"))   # harness, cases

@@ -3,31 +3,21 @@ tests/distributed/comm_cases.py, and each case is a test here. Plus a cheap laun
 fails, for gradpool.launch's error path."""
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
+import harness
 from gradpool.errors import LaunchError
 from gradpool.app import rank_report
 from gradpool.app.launch import pid_alive, run_ranks
 
-DIST_DIR = Path(__file__).parent / "distributed"
-sys.path.insert(0, str(DIST_DIR))
-import harness  # noqa: E402
-
-CASES_SCRIPT = DIST_DIR / "comm_cases.py"
-SUITE = harness.load_suite(CASES_SCRIPT)
+DIST_DIR = harness.DIST_DIR
 NPROC = 2
+SUITE, comm_results = harness.suite_fixture("comm_cases.py", "comm_results", nproc=NPROC,
+                                            timeout=300)
 
 pytestmark = pytest.mark.distributed
-
-
-@pytest.fixture(scope="module")
-def comm_results(tmp_path_factory):
-    return harness.launch_suite(CASES_SCRIPT, SUITE.name, tmp_path_factory.mktemp("comm"),
-                                nproc=NPROC, timeout=300)
 
 
 def test_launch_reports_every_rank_exit_code(comm_results):

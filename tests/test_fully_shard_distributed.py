@@ -4,33 +4,19 @@ gradients and main_grad (after one and after several micro-steps) against the un
 reference's gradient chunks, then trains against it (see that file)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-DIST_DIR = Path(__file__).parent / "distributed"
-sys.path.insert(0, str(DIST_DIR))
-import harness  # noqa: E402
+import harness
 
-CASES_SCRIPT = DIST_DIR / "fsdp_cases.py"
-SUITE = harness.load_suite(CASES_SCRIPT)
 NPROC = 2
+SUITE, fsdp_results = harness.suite_fixture("fsdp_cases.py", "fsdp_results", nproc=NPROC,
+                                      timeout=1500)
 
 pytestmark = pytest.mark.distributed
 
 
-@pytest.fixture(scope="module")
-def fsdp_results(tmp_path_factory):
-    return harness.launch_suite(CASES_SCRIPT, SUITE.name, tmp_path_factory.mktemp("fsdp"),
-                                nproc=NPROC, timeout=1500)
-
-
 def test_every_rank_ran_every_case_at_world_size_2(fsdp_results):
-    assert fsdp_results.launch.exit_codes == (0,) * NPROC
-    for rank, report in enumerate(fsdp_results.reports):
-        assert (report["rank"], report["world_size"]) == (rank, NPROC)
-        assert list(report["cases"]) == SUITE.names
+    fsdp_results.verify_every_rank_ran(SUITE.names, NPROC)
 
 
 @pytest.mark.parametrize("name", SUITE.names)

@@ -25,9 +25,9 @@ def test_prefetch_setters_check_their_argument():
             setter([model.layers[0], model.layers[1].attn])
     model.set_modules_to_forward_prefetch([model.layers[0]])
     model.layers[1].set_modules_to_backward_prefetch([model.layers[0]])
-    assert model.__dict__["_hsdp_state"].forward_prefetch == [model.layers[0].__dict__["_hsdp_state"]]
-    assert model.layers[1].__dict__["_hsdp_state"].backward_prefetch == \
-        [model.layers[0].__dict__["_hsdp_state"]]
+    first = model.layers[0].__dict__["_hsdp_state"]
+    assert model.__dict__["_hsdp_state"].forward_prefetch == [first]
+    assert model.layers[1].__dict__["_hsdp_state"].backward_prefetch == [first]
 
 
 def test_a_prefetching_model_trains_like_the_reference():
@@ -37,10 +37,12 @@ def test_a_prefetching_model_trains_like_the_reference():
     model.layers[0].set_modules_to_forward_prefetch([model.layers[1]])
     ref = TinyDeepSeekV3(cfg.model, seed=cfg.train.seed)
     batch = make_batch(cfg.model, 0, seed=cfg.train.seed)
-    _, want = ms.value_and_grad(lambda t: next_token_loss(ref, t), None, ref.trainable_params())(batch)
+    _, want = ms.value_and_grad(lambda t: next_token_loss(ref, t), None,
+                                ref.trainable_params())(batch)
     for _ in range(2):
         model.zero_grad()
-        ms.value_and_grad(lambda t: next_token_loss(model, t), None, model.trainable_params())(batch)
+        params = model.trainable_params()
+        ms.value_and_grad(lambda t: next_token_loss(model, t), None, params)(batch)
         for param, expected in zip(model.trainable_params(), want):
             np.testing.assert_array_equal(param.main_grad.asnumpy(), expected.asnumpy())
     assert all(u._prefetched is None for u in model._hsdp_units())

@@ -4,34 +4,19 @@ reduce dtype, gradient dtype and bucketing; accumulation; zero-copy; fences unde
 completion; wait() failures), and each case is a test here."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-DIST_DIR = Path(__file__).parent / "distributed"
-sys.path.insert(0, str(DIST_DIR))
-import harness  # noqa: E402
+import harness
 
-CASES_SCRIPT = DIST_DIR / "reducer_cases.py"
-SUITE = harness.load_suite(CASES_SCRIPT)
 NPROC = 2
+SUITE, reducer_results = harness.suite_fixture("reducer_cases.py", "reducer_results", nproc=NPROC,
+                                      timeout=400)
 
 pytestmark = pytest.mark.distributed
 
 
-@pytest.fixture(scope="module")
-def reducer_results(tmp_path_factory):
-    return harness.launch_suite(CASES_SCRIPT, SUITE.name, tmp_path_factory.mktemp("reducer"),
-                                nproc=NPROC, timeout=400)
-
-
 def test_every_rank_ran_every_case_at_world_size_2(reducer_results):
-    assert reducer_results.launch.exit_codes == (0,) * NPROC
-    for rank, report in enumerate(reducer_results.reports):
-        assert (report["rank"], report["world_size"]) == (rank, NPROC)
-        assert list(report["cases"]) == SUITE.names
-    assert reducer_results.reports[0]["pid"] != reducer_results.reports[1]["pid"]
+    reducer_results.verify_every_rank_ran(SUITE.names, NPROC)
 
 
 @pytest.mark.parametrize("name", SUITE.names)

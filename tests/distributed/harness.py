@@ -182,6 +182,15 @@ class SuiteResults:
             for check_name, check in record["checks"].items():
                 _verify_check(f"{where}, check {check_name!r}", check)
 
+    def verify_every_rank_ran(self, names: list, nproc: int) -> None:
+        """Every rank exited 0, reported its own rank and the world size, in its own process,
+        and ran every case in order."""
+        assert self.launch.exit_codes == (0,) * nproc
+        for rank, report in enumerate(self.reports):
+            assert (report["rank"], report["world_size"]) == (rank, nproc)
+            assert list(report["cases"]) == list(names)
+        assert len({report["pid"] for report in self.reports}) == nproc
+
     def seconds(self, name: str) -> list[float]:
         return [report["cases"][name]["seconds"] for report in self.reports]
 
@@ -206,6 +215,25 @@ def launch_suite(script, suite: str, out_dir, nproc: int = 2,
     launch = run_ranks(script, args=[str(out_dir)], nproc=nproc,
                        log_dir=Path(out_dir) / "logs", timeout=timeout, report_dir=out_dir)
     return load_results(out_dir, suite, nproc, launch)
+
+
+DIST_DIR = Path(__file__).resolve().parent
+
+
+def suite_fixture(script_name: str, fixture_name: str, nproc: int, timeout: float):
+    """For a pytest module of one cases script: ``(suite, fixture)``, the suite loaded now (its
+    case names parametrize the tests) and a module-scoped fixture ``fixture_name`` that launches
+    it once on ``nproc`` msrun ranks. Bind the fixture to a module global of that name."""
+    import pytest
+    script = DIST_DIR / script_name
+    suite = load_suite(script)
+
+    @pytest.fixture(scope="module", name=fixture_name)
+    def results(tmp_path_factory):
+        return launch_suite(script, suite.name, tmp_path_factory.mktemp(suite.name), nproc=nproc,
+                            timeout=timeout)
+
+    return suite, results
 
 
 def load_suite(script) -> Suite:
