@@ -92,7 +92,21 @@ class _DeferredHandle(CommHandle):
         return self._done
 
 
-class FaultInjectingCommunicator(Communicator):
+class _Wrapper(Communicator):
+    """A communicator in front of another (``inner``): its group is the inner one's."""
+
+    inner: Communicator
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.inner.world_size
+
+
+class FaultInjectingCommunicator(_Wrapper):
     """Wraps a communicator for tests: a collective's handle reports not-completed until
     ``delay_seconds`` after launch (``wait()`` blocks until then), and with ``fail_wait`` (an
     exception instance, or True for a :class:`CommError`) ``wait()`` raises it, after which the
@@ -120,14 +134,6 @@ class FaultInjectingCommunicator(Communicator):
         self.read_input_at = read_input_at
         self.launch_counts: collections.Counter = collections.Counter()
         self.launch_log: list[str] = []     # every collective's name, in launch order
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.inner.world_size
 
     @property
     def launches(self) -> int:
@@ -162,7 +168,7 @@ class FaultInjectingCommunicator(Communicator):
         return self.fail_wait if isinstance(self.fail_wait, BaseException) else None
 
 
-class LatencyCommunicator(Communicator):
+class LatencyCommunicator(_Wrapper):
     """A network in front of a communicator: every asynchronous collective completes
     ``latency_seconds`` after it starts, and it starts when launched or when the previous one
     completed, whichever is later (one link, one collective at a time, like the collectives of a
@@ -179,14 +185,6 @@ class LatencyCommunicator(Communicator):
         self.latency_seconds = float(latency_seconds)
         self.launches = 0
         self._link_free_at = 0.0
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.inner.world_size
 
     def _reduce_scatter(self, output, input, op, async_op) -> CommHandle:
         return self._send(self.inner.reduce_scatter(output, input, op, async_op), async_op)
