@@ -23,7 +23,9 @@ applied twice, lost or read early would show here).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -209,12 +211,35 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="3 timed steps per mode")
     parser.add_argument("--layers", type=int, default=OverlapOptions.layers)
     parser.add_argument("--latency-ms", type=float, default=None)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="also write the result as Markdown (docs/benchmarks/overlap.md)")
     args = parser.parse_args(argv)
     base = OverlapOptions.quick() if args.quick else OverlapOptions()
     options = OverlapOptions(layers=args.layers, steps=base.steps, latency_ms=args.latency_ms)
-    for line in report_lines(run(options)):
+    load_before = os.getloadavg()[0]
+    lines = report_lines(run(options))
+    for line in lines:
         print(line, flush=True)
+    if args.out is not None:
+        command = "python -m benchmarks.overlap " + " ".join(argv if argv is not None
+                                                             else sys.argv[1:])
+        args.out.write_text(
+            "# Overlap benchmark\n\n"
+            f"`{command}` at commit {_commit()}, on {os.cpu_count()} CPU cores (load average "
+            f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after: read the ratios, not "
+            "the absolute times). What it measures: see `benchmarks/overlap.py`.\n\n"
+            "```\n" + "\n".join(lines) + "\n```\n")
+        print(f"wrote {args.out}")
     return 0
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=Path(__file__).parent, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out.stdout.strip()
 
 
 if __name__ == "__main__":

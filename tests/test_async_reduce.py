@@ -305,3 +305,23 @@ def test_the_per_parameter_reduce_api_lands_an_in_flight_reduce_first(comms):
     managed.clear_reduce_scatter_output()
     model.set_is_last_backward(True)
     hsdp_sync_stream()
+
+
+def test_a_failed_collective_left_in_flight_reaches_hsdp_sync_stream(comms):
+    comms(lambda: FailNth(SingleProcessCommunicator(), 2))
+    cfg = from_dict({}, FIELD + FUSED)
+    model = build_sharded_model(cfg)
+    pool = runtime_for(cfg.gradpool).pool
+    batch = make_batch(cfg.model, 0, seed=cfg.train.seed)
+    model.set_is_last_backward(False)
+    _grad_fn(model)(batch)                       # returns: nothing was waited yet
+    with pytest.raises(CommError, match="launch #2"):
+        hsdp_sync_stream()
+    assert not unit_state._IN_FLIGHT
+    stats = pool.stats()
+    assert (stats.live_leases, stats.fenced_buckets) == (0, 0)
+    model.zero_grad()
+    model.set_is_last_backward(True)
+    _grad_fn(model)(batch)
+    for param, want in zip(model.trainable_params(), _reference_grads(cfg)):
+        np.testing.assert_array_equal(param.main_grad.asnumpy(), want, err_msg=param.name)
