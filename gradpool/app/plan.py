@@ -16,7 +16,10 @@ root's drain), run against a bookkeeping-only model of :class:`gradpool.pool.Buc
 is reusable once its fence has completed; at ``max_buckets_in_flight`` fenced buckets of a dtype
 ``acquire`` first waits for the oldest). Why a replay and not a formula: buckets change roles
 between steps (an output bucket of step 1 serves an input in step 2) and the pool grows by
-running maxima, so only the sequence gives the high-water. ``tests/test_plan.py`` checks it
+running maxima, so only the sequence gives the high-water. The replay holds each unit's output
+buckets until the next step's ``zero_grad`` (the synchronous reduce); the asynchronous reduce of
+main_grad mode gives them back when the root's backward lands them, earlier, so for it the
+replay is an upper bound (on the tiny model the measured high-water is the same). ``tests/test_plan.py`` checks it
 against the real pool's measured high-water on the tiny model, so a change to the pool's policy
 that this model does not follow fails a test.
 
