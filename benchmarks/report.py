@@ -59,11 +59,16 @@ def speed_ratio(reference: dict, pool: dict, per_reference: float = 1.0,
             "low": ref["q1_s"] / mine["q3_s"], "high": ref["q3_s"] / mine["q1_s"]}
 
 
+PAIRED = "paired_pool:"      # key prefix: the pool series timed next to one reference only
+
+
 def copy_rows(timings: dict) -> list[dict]:
     """One row per (dtype pair, size, count): each method's timing and the pool's speed ratios.
 
     ``timings`` maps ``(method, grad_dtype, bucket_dtype, nbytes, count)`` to a timing dict
-    (:func:`timing_of`); the small-op reference is ``("small_op", None, None, None, count)``."""
+    (:func:`timing_of`); the small-op reference is ``("small_op", None, None, None, count)``.
+    A reference timed against a pool series of its own (``(PAIRED + method, ...)``) is compared
+    with that series, every other one with the pool row."""
     rows = []
     groups = sorted({k[1:] for k in timings if k[0] == "pool"},
                     key=lambda g: (g[3], g[0], g[1], g[2]))
@@ -71,14 +76,18 @@ def copy_rows(timings: dict) -> list[dict]:
     for grad_dtype, bucket_dtype, nbytes, count in groups:
         times = {m: timings.get((m, grad_dtype, bucket_dtype, nbytes, count))
                  for m in ("pool", *REFERENCES)}
+        paired = {m: timings.get((PAIRED + m, grad_dtype, bucket_dtype, nbytes, count))
+                  for m in REFERENCES}
         pool = times["pool"]
-        ratios = {f"speed_vs_{m}": speed_ratio(times[m], pool) for m in REFERENCES if times[m]}
+        ratios = {f"speed_vs_{m}": speed_ratio(times[m], paired[m] or pool)
+                  for m in REFERENCES if times[m]}
         if count > 1 and small_op:
             # One small op per gradient is what a per-parameter loop of ops would pay.
             ratios["speed_vs_small_op"] = speed_ratio(small_op, pool, SMALL_COUNT, count)
         rows.append(dict(grad_dtype=grad_dtype, bucket_dtype=bucket_dtype, nbytes=nbytes,
                          count=count, timings=times, pool_gbps=nbytes / pool["median_s"] / 1e9,
-                         ratios=ratios))
+                         ratios=ratios,
+                         paired_pool={m: t for m, t in paired.items() if t is not None}))
     return rows
 
 
@@ -103,6 +112,9 @@ def copy_timings(results: dict) -> dict:
     copy = results.get("copy") or {}
     timings = {(c["method"], c["grad_dtype"], c["bucket_dtype"], c["nbytes"], c["count"]):
                timing_of(c) for c in copy.get("cases", [])}
+    timings.update({(PAIRED + c["method"], c["grad_dtype"], c["bucket_dtype"], c["nbytes"],
+                     c["count"]): timing_of(c["paired_pool"])
+                    for c in copy.get("cases", []) if c.get("paired_pool")})
     small = copy.get("small_op")
     if small:
         timings[("small_op", None, None, None, small["count"])] = timing_of(small)
@@ -137,9 +149,10 @@ def summarize(results: dict) -> dict:
             entry.setdefault("speed_vs_memcpy_from_1MiB", {})[size_label(row["nbytes"])] = \
                 row["ratios"]["speed_vs_memcpy"]["median"]
         if row["count"] == 1 and row["nbytes"] == FIXED_COST_BYTES:
-            entry["pack_4KiB_us"] = {k[:-2]: pool[k] * 1e6 for k in
-                                     ("median_s", "q1_s", "q3_s", "min_s", "max_s")
-                                     if pool.get(k) is not None}
+            entry["pack_4KiB_us"] = _micros(pool)
+            beside = row["paired_pool"].get("fresh_alloc")
+            if beside is not None:
+                entry["pack_4KiB_beside_fresh_alloc_us"] = _micros(beside)
         if "speed_vs_small_op" in row["ratios"]:
             entry["fused_pack_gradients"] = row["count"]
             entry["fused_pack_per_gradient_us"] = pool["median_s"] / row["count"] * 1e6
@@ -149,6 +162,11 @@ def summarize(results: dict) -> dict:
             "reduce_ratios": reduce_ratios(reduce_rows),
             "reduce_new_allocations_after_first": {
                 r["name"]: r["new_allocations_after_first"] for r in reduce_rows}}
+
+
+def _micros(timing: dict) -> dict:
+    return {k[:-2]: timing[k] * 1e6 for k in ("median_s", "q1_s", "q3_s", "min_s", "max_s")
+            if timing.get(k) is not None}
 
 
 def _fmt(value, spec: str = ".2f", empty: str = "-") -> str:
@@ -190,10 +208,13 @@ def markdown(results: dict, chart_name: Optional[str] = None) -> str:
              f"~{opts['copy_budget']['seconds']:g} s per case, "
              f"{opts['copy_budget']['min_repeats']}-{opts['copy_budget']['max_repeats']}; "
              f"reduce steps: {opts['reduce_warmup']} warm-up + {opts['reduce_repeats']} timed). "
-             "The methods of one copy case (pool, memcpy, zero-copy, fresh alloc) are timed "
-             "interleaved, one call of each per round, so a ratio compares calls made under the "
-             "same machine load. Times are `median (IQR) [min - max]`; statistics by "
-             "pytest-benchmark.",
+             "The two sides of every copy ratio are timed interleaved, one call of each per "
+             "round, so a ratio compares calls made under the same machine load: pool, memcpy "
+             "and zero-copy share one set of rounds; the fresh allocation (MindSpore kernels and "
+             "a synchronize, whose after-effects slow whatever runs next) is timed against a "
+             "second pool series of its own; the reduce steps of pool and zero-copy alike, one "
+             "step of each per round. Times are `median (IQR) [min - max]`; statistics "
+             "by pytest-benchmark.",
              "- Ratios: **speed relative to a reference = reference time / pool time; higher is "
              "better, 1 = parity**, with `[low, high]` from the interquartile ranges "
              "(reference q1 / pool q3, reference q3 / pool q1).",
@@ -233,19 +254,25 @@ def _copy_section(summary: dict, chart_name: Optional[str]) -> list[str]:
 
 
 def _fixed_cost_section(summary: dict) -> list[str]:
-    pairs = {p: e["pack_4KiB_us"] for p, e in summary["copy_by_pair"].items()
-             if "pack_4KiB_us" in e}
+    pairs = {p: e for p, e in summary["copy_by_pair"].items() if "pack_4KiB_us" in e}
     if not pairs:
         return []
     out = ["## Fixed cost per call", "",
            f"One {size_label(FIXED_COST_BYTES)} gradient: acquire, pack, release (the whole "
-           "per-call cost of a small copy-in).", "",
-           "| gradient -> bucket | median (us) | q1 - q3 (us) | min (us) | max (us) |",
-           "| --- | ---: | ---: | ---: | ---: |"]
-    for pair, t in sorted(pairs.items()):
+           "per-call cost of a small copy-in), timed beside memcpy and zero-copy; the last "
+           "column is the same call timed beside a fresh allocation (MindSpore kernels and a "
+           "synchronize in every round, as in training, where a pack follows backward's ops).",
+           "",
+           "| gradient -> bucket | median (us) | q1 - q3 (us) | min (us) | max (us) "
+           "| beside a fresh allocation: median (q1 - q3) (us) |",
+           "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for pair, entry in sorted(pairs.items()):
+        t, beside = entry["pack_4KiB_us"], entry.get("pack_4KiB_beside_fresh_alloc_us")
+        other = "-" if beside is None else \
+            f"{beside['median']:.1f} ({beside['q1']:.1f} - {beside['q3']:.1f})"
         out.append(f"| {pair.replace('->', ' -> ')} | {t['median']:.1f} "
                    f"| {t['q1']:.1f} - {t['q3']:.1f} | {_fmt(t.get('min'), '.1f')} "
-                   f"| {_fmt(t.get('max'), '.1f')} |")
+                   f"| {_fmt(t.get('max'), '.1f')} | {other} |")
     return out + [""]
 
 
@@ -320,6 +347,8 @@ def case_timings(results: dict) -> dict:
     """``{case name: timing}`` over every timed case of a results file."""
     copy = results.get("copy") or {}
     out = {f"copy {c['name']}": timing_of(c) for c in copy.get("cases", [])}
+    out.update({f"copy {c['name']} (its pool series)": timing_of(c["paired_pool"])
+                for c in copy.get("cases", []) if c.get("paired_pool")})
     if copy.get("small_op"):
         out["copy small-op reference"] = timing_of(copy["small_op"])
     out.update({f"reduce {r['name']}": timing_of(r) for r in results.get("reduce") or []})

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field
 from benchmarks.cases import (COPY_SIZES, DTYPE_PAIRS, KIB, MIB, SMALL_COUNT, SMALL_NUMEL,
                               copy_cases, make_copy, make_reduce_step, make_small_op,
                               reduce_cases)
-from benchmarks.timing import Budget, measure, measure_budget, measure_interleaved
+from benchmarks.timing import (Budget, measure_budget, measure_interleaved,
+                               measure_interleaved_fixed)
 
 
 @dataclass(frozen=True)
@@ -60,14 +61,25 @@ def _progress(items, desc: str, show: bool):
     return tqdm(items, desc=desc, unit="case", dynamic_ncols=True)
 
 
+# Timed interleaved with the pool in one set: NumPy-only or no-op references. A fresh allocation
+# launches MindSpore kernels and synchronizes; the runtime's threads it wakes and the caches it
+# evicts slowed whatever ran next in its round by up to 2x (a 4 KiB pack: 17 us next to memcpy,
+# 34-39 us with a fresh allocation in the round, load average ~10), so it gets a set of its own
+# with another pool series: each ratio compares two sides timed next to each other only.
+HOST_SET = ("pool", "memcpy", "zero_copy")
+
+
 def run_copy_suite(settings: SuiteSettings, show_progress: bool = True) -> dict:
     """Every copy case of ``settings.copy_sizes`` x ``settings.copy_pairs`` (plus the
     1000-gradient fused packs) and the small-op reference:
     ``{"cases": [...], "small_op": {...}}``.
 
-    The methods of one (dtype pair, size) are timed **interleaved**, one call of each per round
+    The two sides of every ratio are timed **interleaved**, one call of each per round
     (:func:`measure_interleaved`): on a shared machine the load changes from second to second,
-    and a ratio of two timings taken minutes apart measures the load as much as the code."""
+    and a ratio of two timings taken minutes apart measures the load as much as the code. The
+    pool, memcpy and zero-copy of one (dtype pair, size) share one set of rounds; the fresh
+    allocation is timed against a second pool series (its row's ``paired_pool``, what its ratio
+    uses; see :data:`HOST_SET`)."""
     rows = []
     groups: dict = {}
     for case in copy_cases(sizes=settings.copy_sizes, pairs=settings.copy_pairs):
@@ -76,17 +88,27 @@ def run_copy_suite(settings: SuiteSettings, show_progress: bool = True) -> dict:
     bar = _progress(list(groups.values()), "copy-in", show_progress)
     for cases in bar:
         bar.set_postfix_str(cases[0].name.split("-", 1)[1], refresh=False)
-        runs = {case.name: make_copy(case) for case in cases}
-        timings = measure_interleaved(runs, settings.copy_budget)
+        runs = {case.method: make_copy(case) for case in cases}
+        host = {m: runs[m] for m in HOST_SET if m in runs}
+        timings = measure_interleaved(host, settings.copy_budget)
+        sets = {m: list(host) for m in host}
+        paired = {}
+        for method in (m for m in runs if m not in host):
+            pair = measure_interleaved({"pool": runs["pool"], method: runs[method]},
+                                       settings.copy_budget)
+            timings[method], paired[method] = pair[method], pair["pool"]
+            sets[method] = ["pool", method]
         for case in cases:
-            run, timing = runs[case.name], timings[case.name]
+            run, timing = runs[case.method], timings[case.method]
             _verify(run)
             row = {"name": case.name, "method": case.method, "grad_dtype": case.grad_dtype,
                    "bucket_dtype": case.bucket_dtype, "nbytes": case.nbytes,
                    "count": case.count, "bucket_nbytes": case.bucket_nbytes,
                    **timing.to_dict(), "gbps": case.nbytes / timing.median_s / 1e9,
-                   "interleaved_with": [c.method for c in cases if c is not case],
+                   "interleaved_with": [m for m in sets[case.method] if m != case.method],
                    "verified": True}
+            if case.method in paired:
+                row["paired_pool"] = paired[case.method].to_dict()
             pool = getattr(run, "pool", None)
             if pool is not None:
                 row["new_allocations"] = pool.stats().new_allocations
@@ -99,32 +121,45 @@ def run_copy_suite(settings: SuiteSettings, show_progress: bool = True) -> dict:
 
 
 def run_reduce_suite(comm, settings: SuiteSettings, show_progress: bool = True) -> list[dict]:
-    """Every reduce case at ``comm``'s world size; one dict each. Call it on every rank."""
+    """Every reduce case at ``comm``'s world size; one dict each. Call it on every rank.
+
+    The methods of one ``comm_fusion`` setting (pool, zero-copy) are timed interleaved, one step
+    of each per round, with fixed counts (every rank makes the same collectives)."""
     rows = []
-    bar = _progress(reduce_cases(comm.world_size), f"reduce w{comm.world_size}", show_progress)
-    for case in bar:
-        bar.set_postfix_str(case.name, refresh=False)
-        run = make_reduce_step(case, comm)
-        run()                                       # step 1: the pool reserves its buckets
-        first = run.pool.stats()
-        timing = measure(run, settings.reduce_warmup, settings.reduce_repeats)
-        stats = run.pool.stats()
-        steps = 1 + timing.warmup + timing.repeats
-        borrows = run.reducer.borrows
-        _verify(run)                                # every rank: it runs collectives
-        rows.append({
-            "name": case.name, "method": case.method, "comm_fusion": case.comm_fusion,
-            "world_size": case.world_size, "communicator": type(comm).__name__,
-            "alignment_bytes": case.alignment_bytes, "gradients": run.gradients,
-            "grad_bytes": run.grad_bytes, **timing.to_dict(),
-            "new_allocations_first_step": first.new_allocations,
-            "new_allocations_after_first": stats.new_allocations - first.new_allocations,
-            "high_water_bytes": stats.high_water_bytes,
-            "bytes_copied_per_step": stats.bytes_copied / steps,
-            "borrows_per_step": borrows / steps,
-            "live_leases_after": stats.live_leases,
-            "verified": True,
-        })
-        del run
+    groups: dict = {}
+    for case in reduce_cases(comm.world_size):
+        groups.setdefault(case.comm_fusion, []).append(case)
+    bar = _progress(list(groups.values()), f"reduce w{comm.world_size}", show_progress)
+    for cases in bar:
+        bar.set_postfix_str(cases[0].name, refresh=False)
+        runs, first = {}, {}
+        for case in cases:
+            run = make_reduce_step(case, comm)
+            run()                                   # step 1: the pool reserves its buckets
+            runs[case.name], first[case.name] = run, run.pool.stats()
+        timings = measure_interleaved_fixed(runs, settings.reduce_warmup,
+                                            settings.reduce_repeats)
+        for case in cases:
+            run, timing = runs[case.name], timings[case.name]
+            stats = run.pool.stats()
+            steps = 1 + timing.warmup + timing.repeats
+            borrows = run.reducer.borrows
+            _verify(run)                            # every rank: it runs collectives
+            rows.append({
+                "name": case.name, "method": case.method, "comm_fusion": case.comm_fusion,
+                "world_size": case.world_size, "communicator": type(comm).__name__,
+                "alignment_bytes": case.alignment_bytes, "gradients": run.gradients,
+                "grad_bytes": run.grad_bytes, **timing.to_dict(),
+                "new_allocations_first_step": first[case.name].new_allocations,
+                "new_allocations_after_first":
+                    stats.new_allocations - first[case.name].new_allocations,
+                "high_water_bytes": stats.high_water_bytes,
+                "bytes_copied_per_step": stats.bytes_copied / steps,
+                "borrows_per_step": borrows / steps,
+                "live_leases_after": stats.live_leases,
+                "interleaved_with": [c.method for c in cases if c is not case],
+                "verified": True,
+            })
+        del runs
         gc.collect()
     return rows

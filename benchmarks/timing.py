@@ -94,13 +94,26 @@ def measure_interleaved(fns: dict, budget: Budget) -> dict:
             fn()
         last = time.perf_counter() - start
     rounds = budget.repeats_for(last / max(1, len(fns)))
+    return _rounds(fns, rounds, max(1, budget.warmup))
+
+
+def measure_interleaved_fixed(fns: dict, warmup: int, rounds: int) -> dict:
+    """Like :func:`measure_interleaved` with fixed warm-up and round counts: where ranks must
+    make the same calls (collectives)."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    return _rounds(fns, rounds, warmup)
+
+
+def _rounds(fns: dict, rounds: int, warmup: int) -> dict:
     samples: dict = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             start = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - start)
-    return {name: Timing.of(values, max(1, budget.warmup)) for name, values in samples.items()}
+    return {name: Timing.of(values, warmup) for name, values in samples.items()}
 
 
 def _timed(fn: Callable[[], object], repeats: int, warmup: int) -> Timing:

@@ -24,20 +24,25 @@ supported dtype pair and shard dim: bfloat16 memory is viewed as ``ml_dtypes.bfl
 pass, no intermediate), an accumulate adds in float32 and rounds once into the bucket. A cast
 rounds to nearest even like MindSpore's; its NaNs are rewritten to MindSpore's canonical NaN
 (:func:`gradpool.dtypes.canonicalize_nans`, a read-only scan unless a NaN is there), so the two
-paths write the same bits (``tests/test_pack_casts.py``).
+paths write the same bits (``tests/test_pack_casts.py``). With numba installed, a single
+float32 gradient packed into a bfloat16 bucket is cast by a compiled loop instead
+(:func:`gradpool.dtypes.compiled_cast`, same bits, several times faster).
 """
 from __future__ import annotations
 
 import functools
 import math
+import weakref
 from typing import NamedTuple, Sequence
 
+import ml_dtypes
 import mindspore as ms
 import numpy as np
 from mindspore import mint
 
-from gradpool.dtypes import (canonicalize_nans, check_dtype, host_view, is_whole_storage,
-                             itemsize, overwrite)
+from gradpool.device import drain_launch_queue
+from gradpool.dtypes import (canonicalize_nans, check_dtype, compiled_cast, host_alias,
+                             host_view, is_whole_storage, itemsize, overwrite)
 from gradpool.errors import LayoutMismatchError
 from gradpool.layout import GradSlot, ReduceScatterLayout
 from gradpool.pool import Lease
@@ -186,8 +191,6 @@ def _put(lease: Lease, grads, layout: ReduceScatterLayout, add: bool, host: bool
     _check(lease, grads, layout)
     on_host = host and _host_applies(lease)
     if on_host:
-        # asnumpy() waits for every queued op that writes the tensor (a pending poison fill, the
-        # op that produced a gradient), so the NumPy write below is ordered after them.
         _host_write(lease, grads, layout, add=add)
     else:
         packed = _assemble(grads, layout)
@@ -247,18 +250,25 @@ def _host_applies(lease: Lease) -> bool:
 
 def _host_write(lease: Lease, grads, layout: ReduceScatterLayout, add: bool) -> None:
     """The CPU path: write (or add) into the bucket's own host memory with NumPy."""
-    # The whole allocation's host view is its memory; a prefix view's asnumpy() is a copy.
-    bucket = host_view(lease.allocation)[:lease.numel]
+    # One drain orders the NumPy writes after every queued op that writes the bucket (a pending
+    # poison fill) or writes a gradient (the op that produced it); the views below wait for
+    # nothing.
+    drain_launch_queue()
+    bucket = _bucket_array(lease)
     if layout.is_identity():
         # The bucket is the flat gradient: one call, none of the per-chunk bookkeeping (this is
-        # most of a small pack's fixed cost besides the two asnumpy() calls).
-        src = host_view(grads[0]).reshape(-1)
+        # most of a small pack's fixed cost besides taking the two host views).
+        src = _source_array(grads[0]).reshape(-1)
         rounded = add or src.dtype != bucket.dtype
-        if rounded:
+        if not rounded:
+            np.copyto(bucket, src)
+        elif not add and compiled_cast(bucket, src):
+            rounded = False       # NaNs written canonical already
+        elif not add and (src.dtype, bucket.dtype) in _QUIET_CASTS:
+            np.copyto(bucket, src, casting="unsafe")
+        else:
             with np.errstate(invalid="ignore", over="ignore"):   # see below
                 _into(bucket, src, add)
-        else:
-            np.copyto(bucket, src)
     else:
         rounded = add
         rows = bucket.reshape(layout.world_size, layout.row_numel)
@@ -269,11 +279,54 @@ def _host_write(lease: Lease, grads, layout: ReduceScatterLayout, add: bool) -> 
         # warnings about them are noise here.
         with np.errstate(invalid="ignore", over="ignore"):
             for slot, grad in zip(layout.slots, grads):
-                src = host_view(grad)
+                src = _source_array(grad)
                 rounded = rounded or src.dtype != bucket.dtype
                 _write_chunks(rows, src, slot, add)
     if rounded and bucket.dtype.itemsize == 2:
         canonicalize_nans(bucket)
+
+
+# Casts that raise no floating-point flag for any input (ml_dtypes widens bfloat16 with integer
+# operations), so they need no np.errstate (~2 us, a tenth of a small pack). Narrowing casts
+# flag: float32 -> bfloat16 a signalling NaN (invalid), float32 -> float16 overflow.
+# tests/test_pack_casts.py packs every pattern of each pair with warnings as errors.
+_QUIET_CASTS = frozenset({(np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))})
+
+# Host arrays of pool allocations, by id() of the allocation: (weak reference to it, its data
+# pointer, the array). An allocation's memory never moves while a live lease holds it (the pool
+# frees only idle buckets, and never reuses a freed one), and taking a host view costs ~2-4 us,
+# the largest part of a small pack's fixed cost. The array does not keep the allocation alive:
+# the entry is dropped when the allocation dies, and rebuilt if its data pointer changed.
+_BUCKET_ARRAYS: dict = {}
+
+
+def _bucket_array(lease: Lease) -> np.ndarray:
+    """The lease's ``[0, numel)`` of its allocation's host memory, written in place."""
+    allocation = lease.allocation
+    key = id(allocation)
+    entry = _BUCKET_ARRAYS.get(key)
+    if entry is None or entry[0]() is not allocation or entry[1] != allocation.data_ptr():
+        array = host_alias(allocation, keep_alive=False) if is_whole_storage(allocation) else None
+        if array is None:
+            # The whole allocation's host view is its memory; a prefix view's asnumpy() is a copy.
+            return host_view(allocation)[:lease.numel]
+        entry = (weakref.ref(allocation, functools.partial(_forget_bucket, key)),
+                 allocation.data_ptr(), array)
+        _BUCKET_ARRAYS[key] = entry
+    return entry[2][:lease.numel]
+
+
+def _forget_bucket(key: int, ref) -> None:
+    entry = _BUCKET_ARRAYS.get(key)
+    if entry is not None and entry[0] is ref:
+        del _BUCKET_ARRAYS[key]
+
+
+def _source_array(grad: ms.Tensor) -> np.ndarray:
+    """A gradient's values to read: its memory when it is a contiguous CPU tensor (views that do
+    not span their storage included, which ``asnumpy()`` would copy), else ``host_view``'s copy."""
+    array = host_alias(grad)
+    return array if array is not None else host_view(grad)
 
 
 def _write_chunks(rows: np.ndarray, src: np.ndarray, slot: GradSlot, add: bool) -> None:

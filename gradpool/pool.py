@@ -398,7 +398,9 @@ class BucketPool:
         return round_up(numel, self.alignment_elements(dtype))
 
     def _in(self, state: str, dtype=None) -> list[_Bucket]:
-        return [b for b in self._buckets if b.state == state and (dtype is None or b.dtype == dtype)]
+        # identity first: a MindSpore dtype's == is a pybind call, and this runs per bucket
+        return [b for b in self._buckets if b.state == state
+                and (dtype is None or b.dtype is dtype or b.dtype == dtype)]
 
     def _oldest_fenced(self, dtype) -> _Bucket:
         return min(self._in(_FENCED, dtype), key=lambda b: b.fenced_order)

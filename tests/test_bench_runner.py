@@ -181,3 +181,29 @@ def test_missing_bench_extra_is_one_line_naming_the_install(monkeypatch):
         runner.require_bench_extra()
     assert "\n" not in str(err.value) and "pip install -e .[bench]" in str(err.value)
     assert "tqdm" in str(err.value)
+
+
+def test_every_ratio_compares_two_sides_timed_together(quick_results):
+    """Pool, memcpy and zero-copy share one set of rounds; the fresh allocation has a pool series
+    of its own (``paired_pool``), and its ratio is computed from that series."""
+    out, _ = quick_results
+    data = json.loads(out.read_text())
+    cases = data["copy"]["cases"]
+    by_key = {(c["method"], c["grad_dtype"], c["bucket_dtype"], c["nbytes"], c["count"]): c
+              for c in cases}
+    for case in cases:
+        if case["method"] == "fresh_alloc":
+            assert case["interleaved_with"] == ["pool"]
+            assert case["paired_pool"]["rounds"] == case["rounds"]
+        else:
+            assert "paired_pool" not in case
+            assert "fresh_alloc" not in case["interleaved_with"]
+    for row in data["summary"]["copy_rows"]:
+        key = (row["grad_dtype"], row["bucket_dtype"], row["nbytes"], row["count"])
+        fresh = by_key[("fresh_alloc", *key)]
+        assert row["ratios"]["speed_vs_fresh_alloc"]["median"] == pytest.approx(
+            fresh["median_s"] / fresh["paired_pool"]["median_s"])
+        assert row["ratios"]["speed_vs_memcpy"]["median"] == pytest.approx(
+            by_key[("memcpy", *key)]["median_s"] / by_key[("pool", *key)]["median_s"])
+    fixed = data["summary"]["copy_by_pair"]["float32->float32"]
+    assert fixed["pack_4KiB_beside_fresh_alloc_us"]["median"] > 0

@@ -156,3 +156,54 @@ def test_accumulate_into_bfloat16_rounds_once(host):
     assert (want != twice).any(), "the data must tell the two roundings apart"
     np.testing.assert_array_equal(bits_of(lease.tensor), want)
     lease.release()
+
+
+@pytest.mark.parametrize("grad_dtype", [ms.float32, ms.float16, ms.bfloat16], ids=str)
+@pytest.mark.parametrize("bucket_dtype", [ms.float32, ms.float16, ms.bfloat16], ids=str)
+@pytest.mark.parametrize("world", [1, 2], ids=["identity", "interleaved"])
+def test_no_floating_point_warning_for_any_pattern(grad_dtype, bucket_dtype, world):
+    """NaN (signalling ones too), inf and out-of-range values are cast as MindSpore casts them,
+    silently: the host path warns for no pattern, whichever write it takes (one-pass identity
+    copy or chunked), pack and accumulate alike."""
+    import warnings
+    bits = float32_patterns() if grad_dtype == ms.float32 else all_16bit_patterns()
+    grad = tensor_of(bits, grad_dtype)
+    layout = ReduceScatterLayout.build([(bits.size,)], world)
+    lease = BucketPool(alignment_bytes=4).acquire(layout.total_numel, bucket_dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        packing.pack(lease, [grad], layout, host=True)
+        packing.accumulate(lease, [grad], layout, host=True)
+    lease.release()
+
+
+def test_compiled_float32_to_bfloat16_cast_is_round_to_nearest_even():
+    """The optional compiled cast (numba installed) writes the integer reference's bits for every
+    float32 rounding case, NaNs as 0x7FC0."""
+    pytest.importorskip("numba")
+    import ml_dtypes
+    from gradpool.dtypes import compiled_cast
+    words = float32_patterns()
+    out = np.empty(words.size, ml_dtypes.bfloat16)
+    assert compiled_cast(out, words.view(np.float32))
+    np.testing.assert_array_equal(out.view(np.uint16), rne_bfloat16(words))
+
+
+def test_compiled_cast_takes_only_contiguous_float32_to_bfloat16():
+    import ml_dtypes
+    from gradpool.dtypes import compiled_cast
+    src = np.ones(8, np.float32)
+    untouched = np.zeros(8, np.float16)
+    assert not compiled_cast(untouched, src)
+    assert not compiled_cast(np.zeros(4, ml_dtypes.bfloat16), src[::2])
+    assert not compiled_cast(np.zeros(8, ml_dtypes.bfloat16), src.astype(ml_dtypes.bfloat16))
+    assert not untouched.any()
+
+
+def test_float32_to_bfloat16_without_the_compiled_cast(monkeypatch):
+    """Without numba the one-pass ml_dtypes cast (plus NaN canonicalization) writes the same bits."""
+    from gradpool import dtypes
+    monkeypatch.setattr(dtypes, "_bfloat16_kernel", lambda: None)
+    words = float32_patterns()
+    got = pack_bits(words, ms.float32, ms.bfloat16, host=True)
+    np.testing.assert_array_equal(got, rne_bfloat16(words))
