@@ -158,6 +158,8 @@ def run(options: OverlapOptions = OverlapOptions()) -> OverlapResult:
     ms.set_device("CPU")
     if options.layers < 2:
         raise OverlapBenchmarkError(f"--layers must be >= 2, got {options.layers}")
+    if options.latency_ms is not None and not options.latency_ms > 0:
+        raise OverlapBenchmarkError(f"--latency-ms must be > 0, got {options.latency_ms}")
     layer_seconds = _layer_backward_seconds(options.layers)
     latency = layer_seconds if options.latency_ms is None else options.latency_ms / 1e3
     reset_runtimes()
