@@ -27,11 +27,13 @@ bench: setup
 # Mutation testing of the core modules (gradpool/{layout,pool,pack,reducer,dtypes}.py) against the
 # fast world-1 tests, configured in pyproject.toml [tool.mutmut]. Not part of `make test`: it is
 # CPU-heavy (hours for the whole core on 2 cores). Runs in a copy of the tree ($(MUTATION_DIR)),
-# so mutmut's mutants/ stays out of the work tree; mutmut keeps its results there and reruns only
-# mutants whose code or tests changed (rm -rf the directory for a fresh run). MUTANTS selects
-# mutants by name pattern, e.g.
-# `make mutation MUTANTS='gradpool.layout.*'` for one module; the survivors are listed at the end
-# and the counts are in $(MUTATION_DIR)/mutants/mutmut-cicd-stats.json.
+# so mutmut's mutants/ stays out of the work tree; mutmut keeps its results there. Without
+# MUTANTS it runs only mutants with no verdict yet (new, or in a function whose code changed); a
+# changed test body resets nothing, and a new function has no tests mapped until the stats are
+# collected again (rm $(MUTATION_DIR)/mutants/mutmut-stats.json), so rm -rf the directory for a
+# fresh run. MUTANTS names mutants (or fnmatch patterns) and reruns those whatever their verdict,
+# e.g. `make mutation MUTANTS='gradpool.layout.*'` for one module; the survivors are listed at
+# the end and the counts are in $(MUTATION_DIR)/mutants/mutmut-cicd-stats.json.
 MUTATION_DIR ?= /tmp/gradpool-mutation
 MUTANTS ?=
 MUTATION_JOBS ?= 2

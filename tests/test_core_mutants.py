@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from gradpool.comm import CompletedHandle, Communicator
 from gradpool.errors import GradPoolError, InvalidArgumentError
 from gradpool.layout import GradSlot, ReduceScatterLayout
 
@@ -28,6 +29,8 @@ def test_grad_slot_of_shards_dim_0_by_default():
     (dict(shapes=[(4, 2)], world_size=2, shard_dims=[2]),
      "gradient 0 of shape (4, 2) cannot be sharded on dim 2"),
 ])
+
+
 def test_layout_errors_say_exactly_what_was_wrong(kwargs, message):
     with pytest.raises(GradPoolError) as err:
         ReduceScatterLayout.build(**kwargs)
@@ -54,3 +57,1119 @@ def test_row_without_tail_has_no_empty_gap():
 def test_layout_records_its_alignment():
     layout = ReduceScatterLayout.build([(5, 3), (4,)], 2, 4)
     assert (layout.world_size, layout.alignment, layout.row_numel) == (2, 4, 16)
+
+
+# -- dtypes ------------------------------------------------------------------------------------
+def test_dtype_named_maps_every_name_and_refuses_others():
+    import mindspore as ms
+    from gradpool.dtypes import dtype_named
+    from gradpool.errors import UnsupportedDtypeError
+    assert [dtype_named(n) for n in ("float32", "float16", "bfloat16")] == \
+        [ms.float32, ms.float16, ms.bfloat16]
+    with pytest.raises(UnsupportedDtypeError) as err:
+        dtype_named("int8")
+    assert str(err.value) == ("dtype name 'int8' is not supported; use one of float32, float16, "
+                              "bfloat16")
+
+
+
+@pytest.mark.parametrize("call", ["itemsize", "check_dtype"])
+def test_an_unsupported_dtype_is_refused_by_name(call):
+    import mindspore as ms
+    from gradpool import dtypes
+    from gradpool.errors import UnsupportedDtypeError
+    assert [dtypes.itemsize(d) for d in (ms.float32, ms.float16, ms.bfloat16)] == [4, 2, 2]
+    with pytest.raises(UnsupportedDtypeError) as err:
+        getattr(dtypes, call)(ms.int32)
+    assert str(err.value) == ("dtype Int32 is not supported; supported dtypes: Float32, Float16, "
+                              "BFloat16")
+
+
+def test_a_dtype_equal_to_a_supported_one_but_another_object_is_supported():
+    """MindSpore's dtypes compare by value: a copy of float32 (not the singleton) is float32 to
+    gradpool too, with its item size."""
+    import copy
+    import mindspore as ms
+    from gradpool import dtypes
+    for dtype, size in ((ms.float32, 4), (ms.float16, 2), (ms.bfloat16, 2)):
+        twin = copy.deepcopy(dtype)
+        assert twin == dtype and twin is not dtype
+        dtypes.check_dtype(twin)
+        assert dtypes.itemsize(twin) == size
+
+def test_is_whole_storage_only_for_a_tensor_spanning_its_storage():
+    import mindspore as ms
+    import numpy as np
+    from mindspore import mint
+    from gradpool.dtypes import is_whole_storage
+    for dtype in (ms.float32, ms.float16, ms.bfloat16):
+        whole = mint.zeros(8, dtype=dtype)
+        assert is_whole_storage(whole) is True
+        assert is_whole_storage(whole[0:5]) is False          # a prefix of a larger storage
+        assert is_whole_storage(whole[3:8]) is False          # an offset view
+    assert is_whole_storage(ms.Tensor(np.zeros(4, np.int32))) is False   # not a managed dtype
+
+
+def test_canonicalize_nans_edge_cases():
+    """No-op for float32 and empty arrays; a one-element array is canonicalized too."""
+    import ml_dtypes
+    import numpy as np
+    from gradpool.dtypes import canonicalize_nans
+    f32 = np.array([np.nan, 1.0], np.float32)
+    before = f32.tobytes()
+    canonicalize_nans(f32)
+    assert f32.tobytes() == before
+    canonicalize_nans(np.zeros(0, np.float16))
+    canonicalize_nans(np.zeros(0, ml_dtypes.bfloat16))
+    one = np.array([0xFE01], np.uint16).view(np.float16)         # a negative NaN with payload
+    canonicalize_nans(one)
+    assert one.view(np.uint16).tolist() == [0xFE00]
+    one_bf16 = np.array([0xFF81], np.uint16).view(ml_dtypes.bfloat16)
+    canonicalize_nans(one_bf16)
+    assert one_bf16.view(np.uint16).tolist() == [0x7FC0]
+
+
+def test_device_pack_into_a_prefix_of_a_larger_recycled_bucket():
+    """A lease on a larger recycled bucket is a prefix view (not its whole storage): the device
+    path must write it with slice-assignment (copy_ into a prefix raises on CPU), exactly, and
+    leave the rest of the bucket alone."""
+    import mindspore as ms
+    import numpy as np
+    from gradpool import pack as packing
+    from gradpool.dtypes import itemsize
+    from gradpool.pool import BucketPool
+    from npref import normal, np_pack, raw_bytes, round_to, values
+    for dtype in (ms.float32, ms.float16, ms.bfloat16):
+        pool = BucketPool(device="CPU", alignment_bytes=4)
+        pool.acquire(1000, dtype).release()
+        layout = ReduceScatterLayout.build([(7, 3), (5,)], 2, pool.alignment_elements(dtype))
+        lease = pool.acquire(layout.total_numel, dtype)
+        assert not lease.is_whole_bucket
+        used = layout.total_numel * itemsize(dtype)
+        tail_before = raw_bytes(lease.allocation)[used:]
+        rng = np.random.default_rng(5)
+        raw = [normal(rng, (7, 3)), normal(rng, (5,))]
+        packing.pack(lease, [ms.Tensor(v) for v in raw], layout, host=False)
+        np.testing.assert_array_equal(values(lease.tensor), round_to(np_pack(raw, layout), dtype))
+        assert raw_bytes(lease.allocation)[used:] == tail_before
+        lease.release()
+
+
+# -- pack ----------------------------------------------------------------------------------------
+def test_flat_view_keeps_values_and_aliases_what_it_can():
+    """flat_view is how a zero-copy borrow reads the caller's gradient: 1-D, the same values in
+    logical order, and (for a contiguous tensor) the same memory."""
+    import mindspore as ms
+    import numpy as np
+    from gradpool.pack import flat_view
+    whole = ms.Tensor(np.arange(12, dtype=np.float32).reshape(3, 4))
+    flat = flat_view(whole)
+    assert tuple(flat.shape) == (12,)
+    whole.asnumpy()[0, 1] = 100.0                          # CPU: asnumpy() is the memory
+    assert flat.asnumpy()[1] == 100.0
+    base = ms.Tensor(np.zeros(24, np.float32))
+    for start in (0, 12):                                  # 2-D views of part of a storage
+        part = flat_view(base[start:start + 12].view(3, 4))
+        assert tuple(part.shape) == (12,)
+        base.asnumpy()[start + 5] = start + 1.0
+        assert part.asnumpy()[5] == start + 1.0, "not the caller's memory"
+    transposed = ms.Tensor(np.arange(12, dtype=np.float32).reshape(4, 3)).T
+    assert not transposed.is_contiguous()
+    np.testing.assert_array_equal(flat_view(transposed).asnumpy(),
+                                  np.arange(12, dtype=np.float32).reshape(4, 3).T.reshape(-1))
+
+
+@pytest.mark.parametrize("call", ["pack", "accumulate", "unpack_gathered"])
+def test_host_false_never_takes_the_numpy_path(call, monkeypatch):
+    """host=False is how the device (Ascend) path is tested on CPU: it must not reach the NumPy
+    writer (pack, accumulate) or read the bucket through host memory (unpack_gathered); host=True
+    on a CPU pool must. Both give NumPy's values."""
+    import mindspore as ms
+    import numpy as np
+    from gradpool import pack as packing
+    from gradpool.pool import BucketPool
+    from npref import normal, np_pack, values
+    # The host path's entry points: pack/accumulate write through _host_write, unpack_gathered
+    # reads the allocation through host_view.
+    hook = "host_view" if call == "unpack_gathered" else "_host_write"
+    layout = ReduceScatterLayout.build([(4, 3), (5,)], 2, 1)
+    rng = np.random.default_rng(3)
+    raw = [normal(rng, (4, 3)), normal(rng, (5,))]
+    for host in (False, True):
+        lease = BucketPool(device="CPU", alignment_bytes=4).acquire(layout.total_numel,
+                                                                    ms.float32)
+        grads = [ms.Tensor(r) for r in raw]
+        if call != "pack":
+            packing.pack(lease, grads, layout, host=False)
+        calls = []
+        real = getattr(packing, hook)
+        monkeypatch.setattr(packing, hook, lambda *a, **k: calls.append(a) or real(*a, **k))
+        if call == "unpack_gathered":
+            out = packing.unpack_gathered(lease, layout, host=host)
+            for tensor, r in zip(out, raw):
+                np.testing.assert_array_equal(values(tensor), r)
+        else:
+            written = getattr(packing, call)(lease, grads, layout, host=host)
+            assert written.on_host is host
+            times = 2 if call == "accumulate" else 1
+            np.testing.assert_array_equal(values(lease.tensor),
+                                          times * np_pack(raw, layout, "float32"))
+        assert bool(calls) is host
+        monkeypatch.undo()
+        lease.release()
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["host", "device"])
+def test_unpack_gathered_of_a_whole_bucket_keeps_the_dtype(host):
+    import mindspore as ms
+    import numpy as np
+    from gradpool import pack as packing
+    from gradpool.pool import BucketPool
+    from npref import normal, round_to, values
+    layout = ReduceScatterLayout.build([(4, 6)], 2, 1)
+    for dtype in (ms.float32, ms.float16, ms.bfloat16):
+        full = normal(np.random.default_rng(1), (4, 6))
+        lease = BucketPool(device="CPU", alignment_bytes=4).acquire(layout.total_numel, dtype)
+        packing.pack(lease, [ms.Tensor(full).astype(dtype)], layout, host=host)
+        out, = packing.unpack_gathered(lease, layout, host=host)
+        assert out.dtype == dtype and tuple(out.shape) == (4, 6)
+        np.testing.assert_array_equal(values(out), round_to(full, dtype))
+        lease.release()
+
+
+def test_shard_views_refuse_a_wrong_output_naming_the_shapes():
+    from mindspore import mint
+    from gradpool import pack as packing
+    from gradpool.errors import LayoutMismatchError
+    layout = ReduceScatterLayout.build([(5, 3), (4,)], 2, 4)
+    with pytest.raises(LayoutMismatchError) as err:
+        packing.shard_views(mint.zeros(5), layout)
+    assert str(err.value) == "output has shape (5,); the layout's row needs (16,)"
+
+
+@pytest.mark.parametrize("shape", [(3, 4), (3, 5)], ids=["even", "uneven"])
+def test_device_pack_of_a_non_contiguous_dim1_gradient(shape):
+    """A transposed (non-contiguous) gradient sharded on dim 1, on the device path (the one
+    Ascend takes, which chunks it with a view)."""
+    import mindspore as ms
+    import numpy as np
+    from gradpool import pack as packing
+    from gradpool.pool import BucketPool
+    from npref import normal, np_pack, values
+    raw = normal(np.random.default_rng(4), shape[::-1])
+    grad = ms.Tensor(raw).T
+    assert not grad.is_contiguous()
+    layout = ReduceScatterLayout.build([shape], 2, 1, [1])
+    lease = BucketPool(device="CPU", alignment_bytes=4).acquire(layout.total_numel, ms.float32)
+    packing.pack(lease, [grad], layout, host=False)
+    np.testing.assert_array_equal(values(lease.tensor), np_pack([raw.T], layout))
+    lease.release()
+
+
+def _nan_payload_data():
+    import numpy as np
+    f16 = np.array([1.0, -2.0, 0.5, 3.0, 65504.0, -65504.0, 0.25, 7.0], np.float16)
+    bits = f16.view(np.uint16)
+    bits[2] = 0x7E01                 # NaN with a payload
+    bits[6] = 0xFD55                 # negative NaN with a payload (signalling pattern)
+    return f16
+
+
+@pytest.mark.parametrize("shape", [(8,), (7,)], ids=["identity", "padded"])
+def test_host_accumulate_of_nans_writes_mindspore_s_bits(shape):
+    """A float16 micro-step holding NaNs with payloads, added into a float16 bucket, writes the
+    same bits on the host path as on the device path (MindSpore's canonical NaN)."""
+    import mindspore as ms
+    import numpy as np
+    from gradpool import pack as packing
+    from gradpool.pool import BucketPool
+    from npref import raw_bytes
+    data = _nan_payload_data()[:shape[0]]
+    layout = ReduceScatterLayout.build([shape], 2, 1)
+    out = {}
+    for host in (True, False):
+        lease = BucketPool(device="CPU", alignment_bytes=4).acquire(layout.total_numel,
+                                                                    ms.float16)
+        packing.pack(lease, [ms.Tensor(np.ones(shape, np.float16))], layout, host=host)
+        packing.accumulate(lease, [ms.Tensor(data.copy())], layout, host=host)
+        out[host] = raw_bytes(lease.tensor)
+        lease.release()
+    assert out[True] == out[False]
+
+
+@pytest.mark.parametrize("shape", [(8,), (7,)], ids=["identity", "padded"])
+def test_host_writes_raise_no_numpy_warnings_on_overflow_and_nan(shape):
+    """Overflowing casts and inf - inf are written as MindSpore writes them (inf, NaN) without
+    NumPy's RuntimeWarnings (a warnings-as-errors caller must not fail), bit-equal with the
+    device path."""
+    import warnings
+    import mindspore as ms
+    import numpy as np
+    from gradpool import pack as packing
+    from gradpool.pool import BucketPool
+    from npref import raw_bytes
+    big = np.array([7e4, -7e4, np.inf, 1.0, 2.0, -np.inf, 3.0, 1e6], np.float32)[:shape[0]]
+    neg = np.array([1.0, 1.0, -np.inf, 1.0, 1.0, np.inf, 1.0, 1.0], np.float32)[:shape[0]]
+    layout = ReduceScatterLayout.build([shape], 2, 1)
+    out = {}
+    for host in (True, False):
+        lease = BucketPool(device="CPU", alignment_bytes=4).acquire(layout.total_numel,
+                                                                    ms.float16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            packing.pack(lease, [ms.Tensor(big)], layout, host=host)          # overflow
+            packing.accumulate(lease, [ms.Tensor(neg)], layout, host=host)    # inf + -inf
+        out[host] = raw_bytes(lease.tensor)
+        lease.release()
+    assert out[True] == out[False]
+
+
+# -- layout (hand-built) -----------------------------------------------------------------------
+def test_row_segments_report_a_leading_gap_of_a_hand_built_layout():
+    """The layout is a public frozen dataclass: a row whose first chunk starts past 0 begins with
+    a zero gap of exactly that length, so gaps() starts at 0."""
+    slot = GradSlot(index=0, shape=(4,), shard_dim=0, chunk_size=2, offset=3, world_size=2)
+    layout = ReduceScatterLayout(world_size=2, alignment=1, slots=(slot,), row_numel=6)
+    assert layout.row_segments() == ((3, None), (2, slot), (1, None))
+    assert layout.gaps() == ((0, 3), (5, 6))
+
+
+# -- pool ----------------------------------------------------------------------------------------
+def test_second_release_names_the_released_lease():
+    import mindspore as ms
+    from gradpool.errors import LeaseStateError
+    from gradpool.pool import BucketPool
+    lease = BucketPool(device="CPU", alignment_bytes=4).acquire(8, ms.float32)
+    assert repr(lease) == "Lease(8 x Float32, live)"
+    lease.release()
+    with pytest.raises(LeaseStateError) as err:
+        lease.release()
+    assert str(err.value) == ("Lease(8 x Float32, released) was already released; a lease is "
+                              "released once")
+
+
+def test_a_lease_released_into_another_pool_is_refused_naming_both_pools():
+    import mindspore as ms
+    from gradpool.errors import ForeignLeaseError
+    from gradpool.pool import BucketPool
+    issuer, other = BucketPool(device="CPU", alignment_bytes=4), BucketPool(device="CPU",
+                                                                          alignment_bytes=4)
+    assert isinstance(issuer.pool_id, int) and issuer.pool_id != other.pool_id
+    lease = issuer.acquire(8, ms.float32)
+    with pytest.raises(ForeignLeaseError) as err:
+        other.release(lease)
+    assert str(err.value) == (f"Lease(8 x Float32, live) was issued by pool {issuer.pool_id}, "
+                              f"not by this pool ({other.pool_id}); release it through the pool "
+                              "that issued it")
+    assert not lease.released
+    lease.release()
+
+
+def test_reserve_count_error_names_the_argument():
+    import mindspore as ms
+    from gradpool.pool import BucketPool
+    pool = BucketPool(device="CPU", alignment_bytes=4)
+    with pytest.raises(InvalidArgumentError) as err:
+        pool.reserve(ms.float32, 16, count=0)
+    assert str(err.value) == "count must be an int >= 1, got 0"
+    assert pool.stats().bytes_reserved == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(alignment_bytes=2 ** 21),
+     "alignment_bytes must be an int >= 4 and <= 1048576, got 2097152"),
+    (dict(alignment_bytes=2), "alignment_bytes must be an int >= 4 and <= 1048576, got 2"),
+    (dict(alignment_bytes=6), "alignment_bytes must be a multiple of 4, got 6"),
+    (dict(max_cached_bytes=0), "max_cached_bytes must be an int >= 1, got 0"),
+    (dict(max_cached_bytes=1.5), "max_cached_bytes must be an int or None, got float 1.5"),
+    (dict(max_buckets_in_flight=0), "max_buckets_in_flight must be an int >= 1, got 0"),
+    (dict(poison_on_release=1), "poison_on_release must be a bool (True or False), got int 1"),
+    (dict(timed_copies=None),
+     "timed_copies must be a bool (True or False), got NoneType None"),
+    (dict(device="GPU"), "device 'GPU' is not supported; use one of ('CPU', 'Ascend')"),
+])
+
+
+def test_pool_arguments_are_refused_naming_the_argument(kwargs, message):
+    from gradpool.pool import BucketPool
+    with pytest.raises(GradPoolError) as err:
+        BucketPool(**kwargs)
+    assert str(err.value) == message
+
+
+def test_a_bucket_over_the_cache_cap_is_refused_with_its_size_in_bytes():
+    """The cap compares bytes: 17 float32 elements are 68 bytes, over a 64-byte cap (in elements
+    they would fit)."""
+    import mindspore as ms
+    from gradpool.errors import PoolCapacityError
+    from gradpool.pool import BucketPool
+    pool = BucketPool(device="CPU", alignment_bytes=4, max_cached_bytes=64)
+    with pytest.raises(PoolCapacityError) as err:
+        pool.acquire(17, ms.float32)
+    assert str(err.value) == ("a bucket of 17 x Float32 (68 bytes) exceeds max_cached_bytes=64; "
+                              "raise the cap or use smaller buckets")
+    pool.acquire(16, ms.float32).release()         # 64 bytes: at the cap is allowed
+    assert pool.stats().bytes_reserved == 64
+
+
+class _InterruptedHolder(list):
+    """A holder that takes the lease, then is interrupted (a KeyboardInterrupt arriving in the
+    acquire's commit, after the holder has the lease and before the pool recorded it)."""
+
+    def append(self, item):
+        super().append(item)
+        raise KeyboardInterrupt
+
+
+def test_lease_of_an_interrupted_acquire_is_released_once_and_unreadable():
+    """Releasing the lease an interrupted acquire left in its holder marks it released (reads
+    refuse it, a second release raises) and leaves the bucket free for the next acquire."""
+    import mindspore as ms
+    from gradpool.errors import LeaseStateError
+    from gradpool.pool import BucketPool
+    pool = BucketPool(device="CPU", alignment_bytes=4)
+    holder = _InterruptedHolder()
+    with pytest.raises(KeyboardInterrupt):
+        pool.acquire(8, ms.float32, holder=holder)
+    lease, = holder
+    lease.release()
+    assert lease.released is True
+    with pytest.raises(LeaseStateError):
+        lease.tensor  # noqa: B018
+    with pytest.raises(LeaseStateError):
+        lease.release()
+    again = pool.acquire(8, ms.float32)
+    assert pool.stats().new_allocations == 1 and again.is_whole_bucket
+    again.release()
+
+
+# -- pack: bit copies, accumulate onto what the bucket holds, the CPU flat view ------------------
+def _payload_nans(dtype, shape, seed):
+    """Random values of a 16-bit ``dtype`` with NaNs carrying payloads (not MindSpore's canonical
+    NaN), as that dtype's uint16 bit patterns."""
+    import ml_dtypes
+    import numpy as np
+    np_dtype = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    rng = np.random.default_rng(seed)
+    bits = rng.standard_normal(shape).astype(np.float32).astype(np_dtype).view(np.uint16).copy()
+    flat = bits.reshape(-1)
+    flat[1] = 0x7E01 if dtype == "float16" else 0x7F81
+    flat[-2] = 0xFD55 if dtype == "float16" else 0xFFC3
+    return bits
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["host", "device"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_same_dtype_pack_is_a_bit_copy_nans_included(dtype, host):
+    """Packing 16-bit gradients into a bucket of their own dtype casts nothing, so every bit,
+    NaN payloads included, lands as it was (NumPy's pack of the raw bits is the reference)."""
+    import mindspore as ms
+    import numpy as np
+    from gradpool import pack as packing
+    from gradpool.pool import BucketPool
+    from npref import raw_bytes
+    ms_dtype = getattr(ms, dtype)
+    shapes = [(5, 3), (4,)]
+    bits = [_payload_nans(dtype, s, seed) for seed, s in enumerate(shapes)]
+    grads = [ms.Tensor(b.view(np.int16)).view(ms_dtype) for b in bits]
+    layout = ReduceScatterLayout.build(shapes, 2, 2)
+    lease = BucketPool(device="CPU", alignment_bytes=4).acquire(layout.total_numel, ms_dtype)
+    packing.pack(lease, grads, layout, host=host)
+    expected = np_pack_bits(bits, layout)
+    assert raw_bytes(lease.tensor) == expected.tobytes()
+    lease.release()
+
+
+def np_pack_bits(bits, layout):
+    """NumPy's pack of uint16 bit patterns (zero bits in every pad and gap)."""
+    import numpy as np
+    from npref import np_pack
+    # np_pack works in float64: carry each 16-bit pattern as an exact integer value.
+    return np_pack([b.astype(np.float64) for b in bits], layout).astype(np.uint16)
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["host", "device"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_accumulate_adds_onto_everything_the_bucket_holds(dtype, host):
+    """accumulate is ``bucket += pack(grads)`` over the whole bucket: entries that are padding in
+    the layout (uneven-shard rows, alignment gaps) keep what the bucket held, here random
+    values written straight into its memory, on both write paths."""
+    import mindspore as ms
+    import numpy as np
+    from gradpool import pack as packing
+    from gradpool.dtypes import host_view
+    from gradpool.pool import BucketPool
+    from npref import add_rounded, normal, np_pack, round_to, values
+    ms_dtype = getattr(ms, dtype)
+    shapes = [(5, 3), (3,), (4, 5)]
+    layout = ReduceScatterLayout.build(shapes, 2, 4, [0, 0, 1])
+    assert layout.padding_numel > 0
+    rng = np.random.default_rng(11)
+    lease = BucketPool(device="CPU", alignment_bytes=4).acquire(layout.total_numel, ms_dtype)
+    held = round_to(normal(rng, (layout.total_numel,)), dtype)
+    host_view(lease.allocation)[:layout.total_numel] = held      # CPU: the bucket's memory
+    raw = [normal(rng, s) for s in shapes]
+    packing.accumulate(lease, [ms.Tensor(r) for r in raw], layout, host=host)
+    np.testing.assert_array_equal(values(lease.tensor),
+                                  add_rounded(held, np_pack(raw, layout), dtype))
+    lease.release()
+
+
+def test_cpu_flat_view_of_a_whole_storage_tensor_queues_no_view_op(monkeypatch):
+    """On CPU a 2-D tensor that spans its storage is flattened through its host memory, never
+    through the view op (its launch-thread wait was a zero-copy borrow's whole cost, issue 12):
+    the same memory and values, with the device path's flat view unreachable."""
+    import mindspore as ms
+    import numpy as np
+    from gradpool import pack as packing
+
+    def no_view_op(tensor):
+        raise AssertionError("the CPU path took the device view op")
+
+    monkeypatch.setattr(packing, "_device_flat", no_view_op)
+    raw = np.random.default_rng(2).standard_normal((3, 4)).astype(np.float32)
+    whole = ms.Tensor(raw.copy())
+    flat = packing.flat_view(whole)
+    np.testing.assert_array_equal(flat.asnumpy(), raw.reshape(-1))
+    whole.asnumpy()[2, 3] = 7.0                             # CPU: asnumpy() is the memory
+    assert flat.asnumpy()[11] == 7.0
+
+
+
+def test_host_array_cache_neither_keeps_buckets_alive_nor_outlives_them():
+    """The host path caches each bucket's host array; a dropped pool's bucket must still be
+    freed (the cache holds it weakly) and its cache entry go with it (no entry for a dead
+    allocation, whose memory the array would point into)."""
+    import gc
+    import weakref
+    import mindspore as ms
+    import numpy as np
+    from gradpool import pack as packing
+    from gradpool.pool import BucketPool
+    from npref import normal, np_pack, values
+    layout = ReduceScatterLayout.build([(5, 3), (4,)], 2, 1)
+    raw = [normal(np.random.default_rng(33), s) for s in ((5, 3), (4,))]
+    pool = BucketPool(device="CPU", alignment_bytes=4)
+    lease = pool.acquire(layout.total_numel, ms.float32)
+    packing.pack(lease, [ms.Tensor(r) for r in raw], layout, host=True)
+    np.testing.assert_array_equal(values(lease.tensor), np_pack(raw, layout, "float32"))
+    allocation = weakref.ref(lease.allocation)
+    lease.release()
+    del lease, pool
+    gc.collect()
+    assert allocation() is None, "the cache kept a dropped pool's bucket alive"
+    assert all(entry[0]() is not None for entry in packing._BUCKET_ARRAYS.values())
+
+# -- reducer: a second rank simulated in-process ---------------------------------------------------
+class _PeerScaled(Communicator):
+    """Rank 0 of a 2-rank group whose peer sends ``peer_scale`` times what this rank sends, so a
+    sum is (1 + peer_scale) x and an avg half that; with peer_scale=3 both are powers of two,
+    exact in every dtype. ``fail_at``: the 1-based launch that raises; ``pending``: handles stay
+    not-completed until waited (a collective in flight)."""
+
+    def __init__(self, peer_scale=3.0, fail_at=None, pending=False):
+        self.peer_scale, self.fail_at, self.pending = peer_scale, fail_at, pending
+        self.launched = 0
+        self.async_ops = []
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def _factor(self, op):
+        total = 1.0 + self.peer_scale
+        return total / 2 if op == "avg" else total
+
+    def _write(self, out, values, async_op):
+        import mindspore as ms
+        from gradpool.dtypes import overwrite
+        self.async_ops.append(async_op)
+        self.launched += 1
+        if self.launched == self.fail_at:
+            raise RuntimeError(f"launch {self.launched} failed")
+        overwrite(out, ms.Tensor(values).astype(out.dtype))
+        return _ManualHandle() if self.pending else CompletedHandle()
+
+    def _reduce_scatter(self, output, input, op, async_op):
+        import mindspore as ms
+        own_chunk = input.astype(ms.float32).asnumpy()[:output.numel()]
+        return self._write(output, own_chunk * self._factor(op), async_op)
+
+    def _all_reduce(self, tensor, op, async_op):
+        import mindspore as ms
+        return self._write(tensor, tensor.astype(ms.float32).asnumpy() * self._factor(op),
+                           async_op)
+
+    def _all_gather(self, output, input, async_op):
+        raise NotImplementedError("not needed by these tests")
+
+
+class _ManualHandle:
+    """Not completed until waited (a collective still in flight)."""
+
+    def __init__(self):
+        self.done = False
+
+    def wait(self):
+        self.done = True
+
+    def is_completed(self):
+        return self.done
+
+
+def _reducer(comm=None, replicate=None, **config):
+    import mindspore as ms
+    from gradpool.comm import SingleProcessCommunicator
+    from gradpool.pool import BucketPool
+    from gradpool.reducer import GradReducer, ReducerConfig
+    pool = BucketPool(device="CPU", alignment_bytes=4)
+    return GradReducer(pool, comm if comm is not None else SingleProcessCommunicator(),
+                       ReducerConfig(reduce_dtype=ms.float32, **config), replicate_comm=replicate)
+
+
+def _random_grads(shapes, seed):
+    import mindspore as ms
+    import numpy as np
+    from npref import normal
+    rng = np.random.default_rng(seed)
+    raw = [normal(rng, s) for s in shapes]
+    return raw, [ms.Tensor(r) for r in raw]
+
+
+@pytest.mark.parametrize("op, factor", [("sum", 4.0), ("avg", 2.0)])
+def test_reduce_scatter_at_two_ranks_keeps_op_and_shard_dims(op, factor):
+    """Rank 0's shard of each gradient, chunked on its own shard dim, reduced with the op asked
+    for (NumPy's chunk of the gradient times the simulated reduction)."""
+    import numpy as np
+    from npref import np_chunk, values
+    shapes, dims = [(4, 6), (5,), (3, 5)], [1, 0, 1]
+    raw, grads = _random_grads(shapes, 21)
+    reducer = _reducer(_PeerScaled())
+    result = reducer.reduce_scatter(grads, shard_dims=dims, op=op)
+    for shard, full, dim in zip(result.wait(), raw, dims):
+        np.testing.assert_array_equal(values(shard), factor * np_chunk(full, dim, 0, 2))
+    result.release()
+    assert reducer.comm.async_ops == [True] * 3, "every collective is launched asynchronously"
+    packed = reducer.pack(grads, shard_dims=dims, world_size=2)
+    assert [s.shard_dim for b in packed for s in b.layout.slots] == dims
+    reducer.discard(packed)
+
+
+def test_all_reduce_averages_by_default():
+    import numpy as np
+    from npref import values
+    raw, grads = _random_grads([(3, 4), (6,)], 22)
+    comm = _PeerScaled()
+    result = _reducer(comm).all_reduce(grads)
+    for reduced, full in zip(result.wait(), raw):
+        np.testing.assert_array_equal(values(reduced).reshape(full.shape), 2.0 * full)
+    result.release()
+    assert comm.async_ops == [True, True], "every collective is launched asynchronously"
+
+
+def test_replicas_are_all_reduced_once_and_only_when_asked():
+    """HSDP on a 1-rank shard group and a simulated 2-rank replicate group: reduce_scatter
+    all-reduces the replicas by default (avg: x2 here), not with across_replicas=False, and
+    all_reduce_replicas all-reduces once (sum: x4, not x16)."""
+    import numpy as np
+    from npref import values
+    raw, grads = _random_grads([(4, 3), (5,)], 23)
+    reducer = _reducer(replicate=_PeerScaled())
+    for kwargs, factor in ((dict(), 2.0), (dict(across_replicas=False), 1.0)):
+        result = reducer.reduce_scatter(grads, **kwargs)
+        for shard, full in zip(result.wait(), raw):
+            np.testing.assert_array_equal(values(shard), factor * full)
+        result.release()
+    for call, factor in ((lambda: reducer.all_reduce_replicas(grads, op="sum"), 4.0),
+                         (lambda: reducer.all_reduce_replicas(grads), 2.0),
+                         (lambda: reducer.all_reduce(grads), 2.0)):    # replicated parameters
+        result = call()
+        for reduced, full in zip(result.wait(), raw):
+            np.testing.assert_array_equal(values(reduced).reshape(full.shape), factor * full)
+        result.release()
+
+
+def test_a_one_rank_replicate_group_is_no_replicate_group():
+    from gradpool.comm import SingleProcessCommunicator
+    reducer = _reducer(replicate=SingleProcessCommunicator())
+    assert reducer.replicate_comm is None
+    raw, grads = _random_grads([(4,)], 24)
+    with pytest.raises(InvalidArgumentError) as err:
+        reducer.all_reduce_replicas(grads)
+    assert str(err.value) == ("all_reduce_replicas needs a replicate group of 2 or more ranks "
+                              "(GradReducer(replicate_comm=...))")
+
+
+def _no_live_leases_then_a_correct_reduce(reducer, raw, grads):
+    """After a failed reduce every bucket is back (none leased), and the next reduce through
+    the same pool gives NumPy's values."""
+    import numpy as np
+    from npref import np_chunk, values
+    reducer.pool.wait_all()
+    stats = reducer.pool.stats()
+    assert stats.new_allocations > 0
+    assert (stats.live_leases, stats.free_buckets) == (0, stats.new_allocations)
+    result = reducer.reduce_scatter(grads, op="sum")
+    for shard, full in zip(result.wait(), raw):
+        np.testing.assert_array_equal(values(shard), 4.0 * np_chunk(full, 0, 0, 2))
+    result.release()
+
+
+def test_a_launch_that_raises_surfaces_its_error_and_leaks_no_lease():
+    raw, grads = _random_grads([(4, 3), (6,)], 25)
+    comm = _PeerScaled(fail_at=2)
+    reducer = _reducer(comm)
+    with pytest.raises(RuntimeError, match="launch 2 failed"):
+        reducer.reduce_scatter(grads, op="sum")
+    _no_live_leases_then_a_correct_reduce(reducer, raw, grads)
+
+
+def test_a_pack_that_raises_leaks_no_lease(monkeypatch):
+    from gradpool import pack as packing
+    raw, grads = _random_grads([(4, 3), (6,)], 26)
+    reducer = _reducer(_PeerScaled())
+
+    def broken_pack(*args, **kwargs):
+        raise RuntimeError("pack failed")
+
+    monkeypatch.setattr(packing, "pack", broken_pack)
+    with pytest.raises(RuntimeError, match="pack failed"):
+        reducer.reduce_scatter(grads, op="sum")
+    monkeypatch.undo()
+    _no_live_leases_then_a_correct_reduce(reducer, raw, grads)
+
+
+def test_leases_left_by_a_failed_launch_wait_for_the_collectives_in_flight():
+    """The first bucket's collective is still in flight when the second launch raises: what the
+    failed call still held goes back fenced on it, so none of those buckets is leased again
+    before that collective completes."""
+    raw, grads = _random_grads([(4, 3), (6,)], 27)
+    comm = _PeerScaled(fail_at=2, pending=True)
+    reducer = _reducer(comm)
+    with pytest.raises(RuntimeError, match="launch 2 failed"):
+        reducer.reduce_scatter(grads, op="sum")
+    stats = reducer.pool.stats()
+    assert (stats.live_leases, stats.free_buckets, stats.fenced_buckets) == (0, 0, 4)
+    comm.pending = False
+    _no_live_leases_then_a_correct_reduce(reducer, raw, grads)
+
+
+# -- dtypes: the compiled float32 -> bfloat16 cast, with a stand-in kernel -------------------------
+def _reference_kernel(calls):
+    """Stands in for the numba kernel (optional, not installed here): the contract it is called
+    with (1-D uint32 words of float32, 1-D uint16 out), and MindSpore's result (round to nearest
+    even, every NaN 0x7FC0), computed with ml_dtypes."""
+    import ml_dtypes
+    import numpy as np
+
+    def kernel(words, out):
+        assert (words.dtype, out.dtype, words.ndim, out.ndim) == (np.uint32, np.uint16, 1, 1)
+        assert words.size == out.size
+        calls.append(words.size)
+        values = words.view(np.float32)
+        out[:] = np.where(np.isnan(values), np.uint16(0x7FC0),
+                          values.astype(ml_dtypes.bfloat16).view(np.uint16))
+    return kernel
+
+
+def test_compiled_cast_writes_only_a_contiguous_float32_to_bfloat16_pair(monkeypatch):
+    import ml_dtypes
+    import numpy as np
+    from gradpool import dtypes
+    calls = []
+    monkeypatch.setattr(dtypes, "_bfloat16_kernel", lambda: _reference_kernel(calls))
+    rng = np.random.default_rng(31)
+    src = rng.standard_normal((3, 4)).astype(np.float32)
+    src[0, 1], src[1, 2], src[2, 3] = np.nan, np.inf, -np.nan
+    dst = np.zeros((3, 4), ml_dtypes.bfloat16)
+    assert dtypes.compiled_cast(dst, src) is True
+    expected = src.astype(ml_dtypes.bfloat16).view(np.uint16)
+    expected[np.isnan(src)] = 0x7FC0
+    np.testing.assert_array_equal(dst.view(np.uint16), expected)
+    assert calls == [12]
+    wide = np.zeros((3, 8), ml_dtypes.bfloat16)
+    refused = [
+        (np.zeros((3, 4), np.float16), src),                      # not bfloat16
+        (np.zeros((3, 4), ml_dtypes.bfloat16), src.astype(np.float16)),   # not float32
+        (np.zeros(12, ml_dtypes.bfloat16), src),                  # another shape
+        (wide[:, ::2], src),                                      # non-contiguous dst
+        (np.zeros((3, 2), ml_dtypes.bfloat16), src[:, ::2]),      # non-contiguous src
+    ]
+    for out, values in refused:
+        before = out.copy()
+        assert dtypes.compiled_cast(out, values) is False
+        np.testing.assert_array_equal(out.view(np.uint16), before.view(np.uint16))
+    assert calls == [12]
+
+
+def test_compiled_cast_without_numba_writes_nothing():
+    import importlib.util
+    import ml_dtypes
+    import numpy as np
+    from gradpool import dtypes
+    if importlib.util.find_spec("numba") is not None:
+        pytest.skip("numba is installed: the compiled cast exists")
+    dst = np.zeros(4, ml_dtypes.bfloat16)
+    assert dtypes.compiled_cast(dst, np.ones(4, np.float32)) is False
+    assert not dst.view(np.uint16).any()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_host_view_is_the_memory_of_a_whole_tensor_and_a_copy_of_a_part(dtype):
+    """host_view's two cases: a tensor spanning its storage is viewed in place (a write lands in
+    the tensor); a view of part of a storage is read through a copy (a write does not)."""
+    import mindspore as ms
+    import numpy as np
+    from gradpool.dtypes import host_view
+    from npref import round_to, values
+    raw = round_to(np.random.default_rng(32).standard_normal(8), dtype)
+    whole = ms.Tensor(raw).astype(getattr(ms, dtype))
+    part = whole[2:6]
+    copy = host_view(part)
+    np.testing.assert_array_equal(copy.astype(np.float32), raw[2:6])
+    copy[0] = 99.0
+    np.testing.assert_array_equal(values(whole), raw)
+    host_view(whole)[3] = 5.0
+    expected = raw.copy()
+    expected[3] = 5.0
+    np.testing.assert_array_equal(values(whole), expected)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_host_alias_is_the_memory_of_any_contiguous_cpu_tensor(dtype):
+    """host_alias gives the memory itself, of a whole tensor and of a contiguous view at an
+    offset alike (a write lands in the tensor), and keeps the tensor alive unless told not to."""
+    import gc
+    import weakref
+    import mindspore as ms
+    import numpy as np
+    from gradpool.dtypes import host_alias
+    from npref import round_to, values
+    raw = round_to(np.random.default_rng(34).standard_normal(8), dtype)
+    whole = ms.Tensor(raw).astype(getattr(ms, dtype))
+    for tensor, start in ((whole, 0), (whole[2:6], 2)):
+        array = host_alias(tensor)
+        np.testing.assert_array_equal(array.astype(np.float32), raw[start:start + array.size])
+        array[1] = 3.0
+        assert values(whole)[start + 1] == 3.0
+    kept = ms.Tensor(raw).astype(getattr(ms, dtype))
+    alive, array = weakref.ref(kept), host_alias(kept)
+    del kept
+    gc.collect()
+    assert alive() is not None, "the array must keep its tensor alive"
+    np.testing.assert_array_equal(array.astype(np.float32), raw)
+    loose = ms.Tensor(raw).astype(getattr(ms, dtype))
+    alive, array = weakref.ref(loose), host_alias(loose, keep_alive=False)
+    del loose, array
+    gc.collect()
+    assert alive() is None
+
+
+def test_host_alias_refuses_what_has_no_host_memory_of_a_supported_dtype():
+    import mindspore as ms
+    import numpy as np
+    from mindspore.common.initializer import One
+    from gradpool.dtypes import host_alias
+    transposed = ms.Tensor(np.zeros((3, 4), np.float32)).T
+    assert not transposed.is_contiguous()
+    for tensor in (ms.Tensor(np.zeros(4, np.int32)),                  # not a gradient dtype
+                   transposed,                                        # not contiguous
+                   ms.Tensor(np.zeros(0, np.float32)),               # no memory
+                   ms.Tensor(shape=(4,), dtype=ms.float32, init=One())):   # not materialized
+        assert host_alias(tensor) is None
+
+
+def test_reducer_statistics_time_the_copies_within_the_call():
+    """The pool's copy statistics after one reduce: the bytes of both packed buckets (padding
+    included) and a copy time inside the call's own duration."""
+    import time
+    shapes = [(64, 8), (33,)]
+    raw, grads = _random_grads(shapes, 28)
+    reducer = _reducer(_PeerScaled())
+    start = time.perf_counter()
+    reducer.reduce_scatter(grads, op="sum").release()
+    elapsed = time.perf_counter() - start
+    stats = reducer.pool.stats()
+    assert stats.bytes_copied == sum(4 * ReduceScatterLayout.build([s], 2).total_numel
+                                     for s in shapes)
+    assert 0 < stats.copy_seconds <= elapsed
+
+
+def test_discard_takes_borrowed_and_already_discarded_buckets():
+    """discard gives back what it can and ignores the rest: a zero-copy borrow holds no lease,
+    a second discard finds the lease released."""
+    import mindspore as ms
+    import numpy as np
+    raw, grads = _random_grads([(8, 4)], 29)
+    reducer = _reducer(_PeerScaled(), zero_copy=True)
+    borrowed = reducer.pack(grads)
+    assert borrowed[0].lease is None and borrowed[0].borrowed is not None
+    reducer.discard(borrowed)
+    assert borrowed[0].borrowed is None
+    packed = reducer.pack(grads, allow_borrow=False)
+    reducer.discard(packed)
+    reducer.discard(packed)
+    assert packed[0].lease.released and reducer.pool.stats().live_leases == 0
+    np.testing.assert_array_equal(raw[0], grads[0].astype(ms.float32).asnumpy())
+
+
+def test_accumulate_into_a_launched_bucket_is_refused_naming_the_fix():
+    from gradpool.errors import LeaseStateError
+    raw, grads = _random_grads([(4, 3)], 30)
+    reducer = _reducer(_PeerScaled())
+    packed = reducer.pack(grads, allow_borrow=False)
+    reducer.launch(packed, op="sum").release()
+    with pytest.raises(LeaseStateError) as err:
+        reducer.accumulate(packed, grads)
+    assert str(err.value) == ("cannot accumulate into a bucket that was launched or discarded; "
+                              "pack the next micro-step anew")
+
+
+def test_in_flight_bound_waits_only_on_the_same_dtype():
+    """At the in-flight bound an acquire waits for the oldest fence of its own dtype (the stall
+    timed within the acquire); an older fence of another dtype is left in flight."""
+    import time
+    import mindspore as ms
+    from gradpool.pool import BucketPool
+    pool = BucketPool(device="CPU", alignment_bytes=4, max_buckets_in_flight=1)
+    other, same = _ManualHandle(), _ManualHandle()
+    pool.acquire(8, ms.bfloat16).release(other)          # the older fence, another dtype
+    pool.acquire(8, ms.float32).release(same)
+    start = time.perf_counter()
+    lease = pool.acquire(8, ms.float32)
+    elapsed = time.perf_counter() - start
+    assert (same.done, other.done) == (True, False)
+    stats = pool.stats()
+    assert (stats.stalls, stats.fenced_buckets, stats.reuses) == (1, 1, 1)
+    assert 0 <= stats.stall_seconds <= elapsed
+    lease.release()
+
+
+def test_eviction_under_the_cap_frees_the_smallest_idle_buckets_first():
+    """An acquire over the cache cap with no fenced bucket to wait for evicts idle buckets,
+    smallest first, only as many as make room: 64 + 128 cached, 160 more under a 320 cap frees
+    the 64-byte bucket only."""
+    import mindspore as ms
+    from gradpool.pool import BucketPool
+    pool = BucketPool(device="CPU", alignment_bytes=4, max_cached_bytes=320)
+    small, large = pool.acquire(16, ms.float32), pool.acquire(32, ms.float32)
+    small.release()
+    large.release()
+    pool.acquire(40, ms.float32).release()
+    stats = pool.stats()
+    assert (stats.trimmed_bytes, stats.bytes_reserved, stats.free_buckets) == (64, 288, 2)
+
+
+@pytest.mark.parametrize("bucket_dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("grad_dtype", ["float32", "float16", "bfloat16"])
+def test_identity_layout_pack_then_accumulate_on_the_host(grad_dtype, bucket_dtype):
+    """A single evenly sharded gradient is the bucket itself (the identity layout, the host
+    path's one-call branch): a pack casts it in, an accumulate adds to it, for every dtype pair
+    (NumPy's float32 sum rounded once is the reference)."""
+    import mindspore as ms
+    import numpy as np
+    from gradpool import pack as packing
+    from gradpool.pool import BucketPool
+    from npref import add_rounded, normal, round_to, values
+    layout = ReduceScatterLayout.build([(8, 4)], 2, 1)
+    assert layout.is_identity()
+    rng = np.random.default_rng(35)
+    first, second = (round_to(normal(rng, (8, 4)), grad_dtype) for _ in range(2))
+    lease = BucketPool(device="CPU", alignment_bytes=4).acquire(layout.total_numel,
+                                                                getattr(ms, bucket_dtype))
+
+    def as_grad(array):
+        return ms.Tensor(array).astype(getattr(ms, grad_dtype))
+
+    assert packing.pack(lease, [as_grad(first)], layout, host=True).on_host
+    packed = round_to(first.reshape(-1), bucket_dtype)
+    np.testing.assert_array_equal(values(lease.tensor), packed)
+    packing.accumulate(lease, [as_grad(second)], layout, host=True)
+    np.testing.assert_array_equal(values(lease.tensor),
+                                  add_rounded(packed, second.reshape(-1), bucket_dtype))
+    lease.release()
+
+
+def test_the_compiled_cast_serves_a_pack_never_an_accumulate(monkeypatch):
+    """With the compiled float32 -> bfloat16 cast available (a stand-in kernel here), an
+    identity-layout host pack writes through it; an accumulate must add, so it never does."""
+    import mindspore as ms
+    import numpy as np
+    from gradpool import dtypes
+    from gradpool import pack as packing
+    from gradpool.pool import BucketPool
+    from npref import add_rounded, normal, round_to, values
+    calls = []
+    monkeypatch.setattr(dtypes, "_bfloat16_kernel", lambda: _reference_kernel(calls))
+    layout = ReduceScatterLayout.build([(16,)], 2, 1)
+    rng = np.random.default_rng(36)
+    first, second = normal(rng, (16,)), normal(rng, (16,))
+    lease = BucketPool(device="CPU", alignment_bytes=4).acquire(16, ms.bfloat16)
+    packing.pack(lease, [ms.Tensor(first)], layout, host=True)
+    assert calls == [16]
+    np.testing.assert_array_equal(values(lease.tensor), round_to(first, "bfloat16"))
+    packing.accumulate(lease, [ms.Tensor(second)], layout, host=True)
+    assert calls == [16]
+    np.testing.assert_array_equal(values(lease.tensor),
+                                  add_rounded(round_to(first, "bfloat16"), second, "bfloat16"))
+    lease.release()
+
+
+def test_a_gradient_that_is_no_tensor_is_refused_naming_the_fix():
+    import numpy as np
+    reducer = _reducer(_PeerScaled())
+    with pytest.raises(InvalidArgumentError) as err:
+        reducer.reduce_scatter([np.zeros(4, np.float32)])
+    assert str(err.value) == ("gradient 0 is a ndarray, not a mindspore Tensor; convert it with "
+                              "mindspore.Tensor(...)")
+    assert reducer.pool.stats().new_allocations == 0
+
+
+def test_a_failed_launch_or_pack_of_the_two_step_api_surfaces_its_error_and_leaks_no_lease(
+        monkeypatch):
+    """pack() then launch(): a pack that raises, and a launch whose second collective raises,
+    give back every bucket and let their own error through."""
+    from gradpool import pack as packing
+    raw, grads = _random_grads([(4, 3), (6,)], 37)
+    reducer = _reducer(_PeerScaled(fail_at=2))
+    packed = reducer.pack(grads, allow_borrow=False)
+    with pytest.raises(RuntimeError, match="launch 2 failed"):
+        reducer.launch(packed, op="sum")
+    real = packing.pack
+    calls = []
+
+    def pack_then_fail(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("pack failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(packing, "pack", pack_then_fail)
+    with pytest.raises(RuntimeError, match="pack failed"):
+        reducer.pack(grads, allow_borrow=False)
+    monkeypatch.undo()
+    reducer.comm.fail_at = None
+    _no_live_leases_then_a_correct_reduce(reducer, raw, grads)
+
+
+def test_a_wait_only_handle_reports_false_until_waited():
+    from gradpool.pool import as_fence
+
+    class WaitOnly:
+        def wait(self):
+            return "done"
+
+    fence = as_fence(WaitOnly())
+    assert fence.is_completed() is False
+    assert fence.wait() == "done"
+    assert fence.is_completed() is True
+
+
+def test_a_handle_without_wait_is_refused_as_a_fence_naming_it():
+    import mindspore as ms
+    from gradpool.errors import InvalidFenceError
+    from gradpool.pool import BucketPool
+
+    class NoWait:
+        def __repr__(self):
+            return "NoWait()"
+
+    lease = BucketPool(device="CPU", alignment_bytes=4).acquire(8, ms.float32)
+    with pytest.raises(InvalidFenceError) as err:
+        lease.release(NoWait())
+    assert str(err.value) == ("a fence needs a wait() method (and ideally is_completed()); got "
+                              "NoWait NoWait(). Pass the collective's handle, or None")
+    assert not lease.released
+    lease.release()
+
+
+@pytest.mark.parametrize("cap, numel, expect", [(100, 8, "wait"), (152, 16, "allocate")])
+def test_under_the_cap_an_acquire_waits_for_an_in_flight_bucket_of_its_dtype(cap, numel, expect):
+    """In flight: a 64-byte float32 bucket and an older, smaller 24-byte bfloat16 one (88 bytes
+    cached). A 32-byte float32 acquire that would pass a 100-byte cap waits for the float32
+    bucket and takes it, never the other dtype's; a 64-byte one that exactly reaches a 152-byte
+    cap allocates and waits for nothing."""
+    import mindspore as ms
+    from gradpool.pool import BucketPool
+    pool = BucketPool(device="CPU", alignment_bytes=4, max_cached_bytes=cap)
+    other, same = _ManualHandle(), _ManualHandle()
+    pool.acquire(12, ms.bfloat16).release(other)
+    pool.acquire(16, ms.float32).release(same)
+    lease = pool.acquire(numel, ms.float32)
+    assert lease.dtype == ms.float32 and other.done is False
+    stats = pool.stats()
+    if expect == "wait":
+        assert same.done
+        assert (stats.new_allocations, stats.stalls, stats.fenced_buckets) == (2, 1, 1)
+    else:
+        assert not same.done and (stats.new_allocations, stats.stalls) == (3, 0)
+    lease.release()
+
+
+def test_a_bucket_filled_exactly_to_the_fusion_cap_stays_one_bucket():
+    """comm_fusion packs gradients into one bucket while they fit the cap, the cap itself
+    included: 32 + 32 bytes under a 64-byte cap are one bucket, the next gradient another."""
+    raw, grads = _random_grads([(8,), (8,), (1,)], 38)
+    reducer = _reducer(_PeerScaled(), comm_fusion=True, bucket_cap_mib=64 / 2 ** 20)
+    packed = reducer.pack(grads, allow_borrow=False)
+    assert [b.indices for b in packed] == [[0, 1], [2]]
+    reducer.discard(packed)
+
+
+def test_over_the_cap_the_smallest_fitting_in_flight_bucket_is_waited_for():
+    import mindspore as ms
+    from gradpool.pool import BucketPool
+    pool = BucketPool(device="CPU", alignment_bytes=4, max_cached_bytes=160)
+    larger, smaller = _ManualHandle(), _ManualHandle()
+    pool.acquire(24, ms.float32).release(larger)
+    pool.acquire(16, ms.float32).release(smaller)
+    lease = pool.acquire(8, ms.float32)            # 160 cached + 32 would pass the cap
+    assert (smaller.done, larger.done) == (True, False)
+    assert lease.numel == 8 and pool.stats().new_allocations == 2
+    lease.release()
+
+
+def test_requests_no_bucket_can_serve_are_refused_naming_the_size():
+    import mindspore as ms
+    from gradpool.device import device_memory_bytes
+    from gradpool.errors import PoolCapacityError
+    from gradpool.pool import BucketPool
+    pool = BucketPool(device="CPU", alignment_bytes=4)
+    with pytest.raises(InvalidArgumentError) as err:
+        pool.acquire(0, ms.float32)
+    assert str(err.value) == "numel must be an int >= 1, got 0"
+    limit = device_memory_bytes("CPU")
+    numel = limit // 4 + 1
+    with pytest.raises(PoolCapacityError) as err:
+        pool.acquire(numel, ms.float32)
+    assert str(err.value) == (f"a bucket of {numel} x Float32 ({numel * 4} bytes) cannot fit the "
+                              f"CPU device's {limit} bytes of memory; reduce in smaller buckets")
+    assert pool.stats().new_allocations == 0
+
+
+def test_an_allocation_the_device_refuses_is_a_capacity_error_naming_the_fix(monkeypatch):
+    """MindSpore allocates lazily; the pool forces the allocation, and a refusal (a RuntimeError
+    there, injected here) is a PoolCapacityError that says what to do, the pool unchanged."""
+    import mindspore as ms
+    from gradpool import pool as pooling
+    from gradpool.errors import PoolCapacityError
+
+    class Refused:
+        def untyped_storage(self):
+            return self
+
+        def data_ptr(self):
+            raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(pooling.mint, "empty", lambda *args, **kwargs: Refused())
+    pool = pooling.BucketPool(device="CPU", alignment_bytes=4)
+    with pytest.raises(PoolCapacityError) as err:
+        pool.acquire(16, ms.float32)
+    assert str(err.value) == ("allocating a bucket of 16 x Float32 failed on CPU: out of memory; "
+                              "reduce bucket_cap_mib or free memory")
+    stats = pool.stats()
+    assert (stats.new_allocations, stats.bytes_reserved, stats.live_leases) == (0, 0, 0)
