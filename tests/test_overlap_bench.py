@@ -42,4 +42,4 @@ def test_overlap_benchmark_reports_its_three_modes():
     lines = overlap.report_lines(result)
     assert re.fullmatch(r"overlap: sync \d+\.\d ms, async \d+\.\d ms, latency hidden -?\d+%",
                         lines[-1]), lines[-1]
-    assert len(lines) == 5
+    assert len(lines) == 6
