@@ -7,6 +7,9 @@ writes its output only when its handle is waited on, so a result read before its
 bucket reused before its fence, or a reduce applied twice changes the values compared below
 against the unsharded model (bit for bit: at world size 1 the arithmetic is the same).
 """
+import contextlib
+
+import harness
 import mindspore as ms
 import numpy as np
 import pytest
@@ -16,7 +19,6 @@ from gradpool import runtime as runtime_module
 from gradpool.app.config import from_dict
 from gradpool.app.model import TinyDeepSeekV3, make_batch, next_token_loss
 from gradpool.app.train import build_sharded_model, gathered_params, train_reference, train_sharded
-from gradpool.comm import SingleProcessCommunicator
 from gradpool.errors import CommError, InvalidArgumentError
 from gradpool.runtime import runtime_for
 from gradpool.testing import FaultInjectingCommunicator
@@ -44,26 +46,15 @@ class FailNth(FaultInjectingCommunicator):
 
 
 @pytest.fixture
-def comms(monkeypatch):
-    """``install(factory)``: every runtime built afterwards gets ``factory()`` as communicator."""
-    made = []
-
-    def install(factory):
-        def communicator_for(device=None, group=None):
-            made.append(factory())
-            return made[-1]
-        monkeypatch.setattr(runtime_module, "communicator_for", communicator_for)
-        runtime_module.reset_runtimes()
-        return made
-
-    yield install
-    runtime_module.reset_runtimes()
+def comms():
+    """``install(wrap)``: every runtime built afterwards gets ``wrap(communicator)``."""
+    with contextlib.ExitStack() as stack:
+        yield lambda wrap: stack.enter_context(harness.wrapped_communicators(wrap))
     unit_state._IN_FLIGHT.clear()      # a failed test must not leak units into the next
 
 
-def late():
-    return FaultInjectingCommunicator(SingleProcessCommunicator(), delay_seconds=0.02,
-                                      read_input_at="wait")
+def late(inner):
+    return FaultInjectingCommunicator(inner, delay_seconds=0.02, read_input_at="wait")
 
 
 def _reference_grads(cfg, index: int = 0) -> list[np.ndarray]:
@@ -156,7 +147,7 @@ def test_without_main_grad_the_reduce_stays_synchronous(comms):
 
 @pytest.mark.parametrize("failing", [1, 5], ids=["first_collective", "mid_backward"])
 def test_a_failed_collective_reaches_value_and_grad_and_the_next_step_works(comms, failing):
-    made = comms(lambda: FailNth(SingleProcessCommunicator(), failing))
+    made = comms(lambda inner: FailNth(inner, failing))
     cfg = from_dict({}, FIELD + FUSED)
     model = build_sharded_model(cfg)
     pool = runtime_for(cfg.gradpool).pool
@@ -308,7 +299,7 @@ def test_the_per_parameter_reduce_api_lands_an_in_flight_reduce_first(comms):
 
 
 def test_a_failed_collective_left_in_flight_reaches_hsdp_sync_stream(comms):
-    comms(lambda: FailNth(SingleProcessCommunicator(), 2))
+    comms(lambda inner: FailNth(inner, 2))
     cfg = from_dict({}, FIELD + FUSED)
     model = build_sharded_model(cfg)
     pool = runtime_for(cfg.gradpool).pool

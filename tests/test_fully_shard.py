@@ -14,8 +14,6 @@ from gradpool.app.train import (build_sharded_model, gathered_params, train_refe
                                 train_sharded)
 from gradpool import GradPoolConfig
 from gradpool.app.config import from_dict
-from gradpool.comm import SingleProcessCommunicator
-from gradpool.testing import FaultInjectingCommunicator
 from gradpool.errors import GradientIntegrityError, InvalidArgumentError, PoolCapacityError
 from hyper_parallel import fully_shard, hsdp_sync_stream, init_device_mesh
 from hyper_parallel.core.device_mesh import DeviceMesh
@@ -214,7 +212,7 @@ def test_failed_reduce_leaves_no_lease_behind():
 @pytest.mark.parametrize("fusion", [["fully_shard.comm_fusion=false"],
                                     ["fully_shard.comm_fusion=true", "gradpool.bucket_cap_mib=0.01"]],
                          ids=["per_gradient", "fused_small_buckets"])
-def test_training_correct_when_collectives_complete_late(monkeypatch, fusion, mode):
+def test_training_correct_when_collectives_complete_late(fusion, mode):
     """Every collective runs at wait(), 20 ms after launch at the earliest, and reads its input
     bucket then, like a real asynchronous collective. A unit packs and launches bucket after
     bucket before it waits, so each input bucket must stay fenced while the next is packed: one
@@ -222,19 +220,9 @@ def test_training_correct_when_collectives_complete_late(monkeypatch, fusion, mo
     collective reads it, and the gradients, the losses and the parameters come out wrong. The
     asynchronous reduce (main_grad mode) leaves every unit's collectives pending until the root's
     backward ends: main_grad must still be the reference's gradient, bit for bit."""
-    from gradpool import runtime as runtime_module
-    made = []
-
-    def late(device=None, group=None):
-        made.append(FaultInjectingCommunicator(SingleProcessCommunicator(), delay_seconds=0.02,
-                                               read_input_at="wait"))
-        return made[-1]
-
-    monkeypatch.setattr(runtime_module, "communicator_for", late)
-    runtime_module.reset_runtimes()
     cfg = from_dict({}, FIELD + ["train.steps=2", "gradpool.max_buckets_in_flight=null",
                                  f"gradpool.async_reduce={mode == 'async'}"] + fusion)
-    try:
+    with harness.late_communicators() as made:
         model = build_sharded_model(cfg)
         runtime = runtime_for(cfg.gradpool)
         assert runtime.comm is made[0]
@@ -256,8 +244,6 @@ def test_training_correct_when_collectives_complete_late(monkeypatch, fusion, mo
                                           err_msg=param.name)
         model.zero_grad()
         records = train_sharded(cfg, model, runtime.comm, runtime.pool)
-    finally:
-        runtime_module.reset_runtimes()
     ref_losses, ref_params = train_reference(cfg, world=1)
     np.testing.assert_array_equal([r.loss for r in records], ref_losses)
     got = gathered_params(model)

@@ -256,7 +256,7 @@ def _geometry(cfg: RunConfig) -> _Geometry:
                                  fs.comm_fusion))
         gather = None
         if fs.comm_fusion and shards > 1:
-            # all_gather_params: one send row of the local shards, one [W, row] receive bucket,
+            # launch_all_gather: one send row of the local shards, one [W, row] receive bucket,
             # in the shards' own dtype (float32), at the same alignment as a reduce bucket
             full = ReduceScatterLayout.build([s.shape for s in specs], shards, align32)
             row = ReduceScatterLayout.build([slot.chunk_shape for slot in full.slots], 1,

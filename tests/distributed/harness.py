@@ -277,25 +277,30 @@ def _verify_check(where: str, check: dict) -> None:
 
 
 @contextlib.contextmanager
-def late_communicators(delay_seconds: float = 0.02):
-    """Runtimes built inside get communicators (for every group) whose collectives run, read
-    their input and write their output only when waited on, ``delay_seconds`` after launch at
-    the earliest (``FaultInjectingCommunicator(read_input_at="wait")``); yields the list of
-    them. Runtimes are rebuilt on entry and forgotten on exit."""
+def wrapped_communicators(wrap: Callable[[Any], Any]):
+    """Runtimes built inside get ``wrap(communicator)`` for every group's communicator; yields
+    the list of the wrapped ones. Runtimes are rebuilt on entry and forgotten on exit."""
     from gradpool import runtime as runtime_module
-    from gradpool.testing import FaultInjectingCommunicator
     original = runtime_module.communicator_for
     made = []
 
-    def late(device=None, group=None):
-        made.append(FaultInjectingCommunicator(original(device, group), delay_seconds=delay_seconds,
-                                               read_input_at="wait"))
+    def wrapped(device=None, group=None):
+        made.append(wrap(original(device, group)))
         return made[-1]
 
-    runtime_module.communicator_for = late
+    runtime_module.communicator_for = wrapped
     runtime_module.reset_runtimes()
     try:
         yield made
     finally:
         runtime_module.communicator_for = original
         runtime_module.reset_runtimes()
+
+
+def late_communicators(delay_seconds: float = 0.02):
+    """:func:`wrapped_communicators` whose collectives run, read their input and write their
+    output only when waited on, ``delay_seconds`` after launch at the earliest
+    (``FaultInjectingCommunicator(read_input_at="wait")``)."""
+    from gradpool.testing import FaultInjectingCommunicator
+    return wrapped_communicators(lambda inner: FaultInjectingCommunicator(
+        inner, delay_seconds=delay_seconds, read_input_at="wait"))

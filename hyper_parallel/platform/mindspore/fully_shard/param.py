@@ -108,14 +108,7 @@ class MindSporeHSDPParamV2:
 
     def unsharded(self, local: ms.Tensor) -> ms.Tensor:
         """All-gather ``local`` (this rank's shard) into the full parameter, in ``param_dtype``."""
-        if self.replicate or self.world_size == 1:
-            full = local           # nothing to gather, and no padding at world size 1
-        else:
-            numel = self.slot.chunk_numel
-            gathered = mint.empty(numel * self.world_size, dtype=local.dtype)
-            self.comm.all_gather(gathered, local.reshape(numel), async_op=False).wait()
-            full = unshard(gathered, self.slot)
-        return self.in_param_dtype(full)
+        return launch_all_gather([self], [local], None, fused=False).wait()[0]
 
     def in_param_dtype(self, full: ms.Tensor) -> ms.Tensor:
         """``full`` cast to the compute dtype (``param_dtype``) when one is set."""
@@ -266,6 +259,11 @@ class PendingGather:
         self._fulls: list = [None] * count
         self._pending: list = []      # (indices, finish(): full tensors, abandon())
 
+    def add(self, indices: list, finish, abandon) -> None:
+        """One launched gather of the parameters at ``indices``: ``finish()`` waits and returns
+        their full tensors, settling its buckets either way; ``abandon()`` settles them unwaited."""
+        self._pending.append((indices, finish, abandon))
+
     def wait(self) -> tuple:
         try:
             while self._pending:
@@ -286,7 +284,8 @@ class PendingGather:
 
 def launch_all_gather(params: list, locals_: list, pool, *, fused: bool,
                       host: bool = True) -> PendingGather:
-    """Launch the all-gathers that make the full parameters of one unit from their local shards.
+    """Launch the all-gathers that make the full parameters of one unit from their local shards
+    (``pool`` gives the fused gathers their buckets; None will do when not ``fused``).
 
     ``fused`` (``comm_fusion=True``, like upstream's fused all-gather and PyTorch FSDP2's
     ``foreach_all_gather``): **one all-gather per local dtype** for all the unit's sharded
@@ -309,25 +308,19 @@ def launch_all_gather(params: list, locals_: list, pool, *, fused: bool,
         for index, (param, local) in enumerate(zip(params, locals_)):
             if param.replicate or param.world_size == 1:
                 full = param.in_param_dtype(local)     # nothing to gather, and no padding
-                pending._pending.append(([index], lambda full=full: [full], lambda: None))
+                pending.add([index], lambda full=full: [full], lambda: None)
             elif fused:
                 groups.setdefault(local.dtype, []).append(index)
             else:
-                pending._pending.append(([index], *_launch_one_gather(param, local)))
+                pending.add([index], *_launch_one_gather(param, local))
         for dtype, indices in groups.items():
             members = [params[i] for i in indices]
-            pending._pending.append((indices, *_launch_bucket_gather(
-                members, [locals_[i] for i in indices], dtype, pool, host)))
+            pending.add(indices, *_launch_bucket_gather(
+                members, [locals_[i] for i in indices], dtype, pool, host))
     except BaseException:
         pending.abandon()
         raise
     return pending
-
-
-def all_gather_params(params: list, locals_: list, pool, *, fused: bool,
-                      host: bool = True) -> tuple:
-    """The full parameters of one unit (:func:`launch_all_gather`, waited at once)."""
-    return launch_all_gather(params, locals_, pool, fused=fused, host=host).wait()
 
 
 def _launch_one_gather(param: MindSporeHSDPParamV2, local: ms.Tensor):

@@ -139,7 +139,7 @@ class HSDPUnitState:
         self._forwarded: set[int] = set()     # modules of this unit run since the last gather
         self._gathered = False
         self._is_root: Optional[bool] = None
-        self._drained: Optional[bool] = None
+        self._drained_by_a_root: Optional[bool] = None
         self.forward_prefetch: list["HSDPUnitState"] = []     # units gathered when this one is
         self.backward_prefetch: list["HSDPUnitState"] = []    # recorded (see the setter)
         self._prefetched: Optional[PendingGather] = None
@@ -181,16 +181,16 @@ class HSDPUnitState:
         """Some unit's backward ends the step after this one's (this unit, or a root containing
         it, with parameters of its own). A root without parameters has no backward of its own,
         so nothing would wait for a reduce left in flight: its units reduce synchronously."""
-        if self._drained is None:
-            self._drained = self.ends_backward or any(
+        if self._drained_by_a_root is None:
+            self._drained_by_a_root = self.ends_backward or any(
                 other.ends_backward and other.contains(self) for other in _live_units())
-            if self.async_reduce and not self._drained:
+            if self.async_reduce and not self._drained_by_a_root:
                 logger.warning(
                     "fully_shard unit %s: its root unit has no parameters of its own, so no "
                     "backward ends the step; reducing synchronously (apply fully_shard to a "
                     "root that owns parameters, e.g. the embedding, to overlap the reduce)",
                     [type(m).__name__ for m in self.modules])
-        return self._drained
+        return self._drained_by_a_root
 
     # -- forward ----------------------------------------------------------------------------------
     def _pre_forward(self, cell, inputs):
@@ -263,9 +263,8 @@ class HSDPUnitState:
     def on_backward(self, grads) -> tuple:
         grads = [g if g is not None else mint.zeros(p.orig_shape, dtype=p.param_dtype or p.orig_dtype)
                  for p, g in zip(self.params, grads)]
-        # this unit's reduce of an earlier backward (set_is_last_backward(False)) lands first
-        self.finish_async_reduce()
         for param, grad in zip(self.params, grads):
+            # lands this unit's reduce of an earlier backward first (set_is_last_backward(False))
             param.set_unsharded_grad(grad)
         if not self.requires_sync:
             self._accumulate(self.params)
