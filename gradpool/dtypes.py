@@ -170,13 +170,13 @@ def compiled_cast(dst: np.ndarray, src: np.ndarray) -> bool:
     """Write ``src`` (float32) cast to bfloat16 into ``dst`` of the same length in one compiled
     pass, as MindSpore casts (round to nearest even, inf kept, every NaN written as MindSpore's
     canonical 0x7FC0: no :func:`canonicalize_nans` needed); True if it did. False, having
-    written nothing, for any other pair or layout (both must be contiguous), or when numba is
-    not installed.
+    written nothing, for any other pair or layout (both must be contiguous), or when numba
+    cannot be imported.
 
     ml_dtypes casts float32 -> bfloat16 one element at a time (~1.9 G elements/s even in cache:
     0.1-0.25 of a memcpy of the bytes written); the compiled integer loop is vectorized (0.4-0.7
-    of that memcpy at 16-256 MiB on the 2-core CPU machine). numba is optional: without it the
-    ml_dtypes cast is used."""
+    of that memcpy at 16-256 MiB on the 2-core CPU machine). numba is a dependency; where it cannot
+    be imported (a platform without its wheels) the ml_dtypes cast is used."""
     if src.dtype != _F32 or dst.dtype != _BF16 or src.shape != dst.shape \
             or not (src.flags.c_contiguous and dst.flags.c_contiguous):
         return False
@@ -192,11 +192,14 @@ _F32, _BF16 = np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
 
 @functools.lru_cache(maxsize=1)
 def _bfloat16_kernel():  # pragma: no mutate block
-    """The compiled float32-bits -> bfloat16-bits loop (None without numba); compiled once per
-    process on first use (~0.3 s)."""
+    """The compiled float32-bits -> bfloat16-bits loop (None if numba cannot be imported);
+    compiled once per process on first use (~0.6 s)."""
     try:
         import numba
-    except ImportError:
+    except ImportError as exc:
+        logger.warning("numba cannot be imported (%s): float32 -> bfloat16 host casts fall back "
+                       "to ml-dtypes, same bits, several times slower; pip install 'numba>=0.60,<0.69'",
+                       exc)
         return None
 
     @numba.njit(nogil=True, cache=False)

@@ -24,9 +24,9 @@ supported dtype pair and shard dim: bfloat16 memory is viewed as ``ml_dtypes.bfl
 pass, no intermediate), an accumulate adds in float32 and rounds once into the bucket. A cast
 rounds to nearest even like MindSpore's; its NaNs are rewritten to MindSpore's canonical NaN
 (:func:`gradpool.dtypes.canonicalize_nans`, a read-only scan unless a NaN is there), so the two
-paths write the same bits (``tests/test_pack_casts.py``). With numba installed, a single
-float32 gradient packed into a bfloat16 bucket is cast by a compiled loop instead
-(:func:`gradpool.dtypes.compiled_cast`, same bits, several times faster).
+paths write the same bits (``tests/test_pack_casts.py``). A single float32 gradient packed into
+a bfloat16 bucket is cast by a compiled loop instead (:func:`gradpool.dtypes.compiled_cast`,
+numba; same bits, several times faster; ml-dtypes where numba cannot be imported).
 """
 from __future__ import annotations
 

@@ -288,9 +288,9 @@ class BucketPool:
             self._adopted = []
             try:
                 bucket = self._take_free(dtype, numel)
-                reused = bucket is not None
-                if not reused:
-                    bucket = self._grow(numel, dtype)
+                if bucket is None:
+                    bucket = self._grow(numel, dtype)      # may wait for one in flight instead
+                reused = not any(b is bucket for b in self._adopted)
                 lease = Lease(self, bucket, numel)
             except BaseException:
                 self._forget_adopted()

@@ -760,9 +760,9 @@ def test_leases_left_by_a_failed_launch_wait_for_the_collectives_in_flight():
 
 # -- dtypes: the compiled float32 -> bfloat16 cast, with a stand-in kernel -------------------------
 def _reference_kernel(calls):
-    """Stands in for the numba kernel (optional, not installed here): the contract it is called
-    with (1-D uint32 words of float32, 1-D uint16 out), and MindSpore's result (round to nearest
-    even, every NaN 0x7FC0), computed with ml_dtypes."""
+    """Stands in for the numba kernel, so the call contract is checked apart from numba: called
+    with (1-D uint32 words of float32, 1-D uint16 out), it writes MindSpore's result (round to
+    nearest even, every NaN 0x7FC0), computed with ml_dtypes."""
     import ml_dtypes
     import numpy as np
 
@@ -806,16 +806,25 @@ def test_compiled_cast_writes_only_a_contiguous_float32_to_bfloat16_pair(monkeyp
     assert calls == [12]
 
 
-def test_compiled_cast_without_numba_writes_nothing():
-    import importlib.util
+def test_compiled_cast_without_numba_writes_nothing(monkeypatch, caplog):
+    """Where numba cannot be imported the compiled cast declines, writes nothing and says so
+    once (the pack then casts with ml_dtypes)."""
+    import sys
     import ml_dtypes
     import numpy as np
     from gradpool import dtypes
-    if importlib.util.find_spec("numba") is not None:
-        pytest.skip("numba is installed: the compiled cast exists")
-    dst = np.zeros(4, ml_dtypes.bfloat16)
-    assert dtypes.compiled_cast(dst, np.ones(4, np.float32)) is False
-    assert not dst.view(np.uint16).any()
+    monkeypatch.setitem(sys.modules, "numba", None)      # import numba raises ImportError
+    dtypes._bfloat16_kernel.cache_clear()
+    try:
+        dst = np.zeros(4, ml_dtypes.bfloat16)
+        with caplog.at_level("WARNING", logger="gradpool.dtypes"):
+            assert dtypes.compiled_cast(dst, np.ones(4, np.float32)) is False
+            assert dtypes.compiled_cast(dst, np.ones(4, np.float32)) is False
+        assert not dst.view(np.uint16).any()
+        warned = [r.getMessage() for r in caplog.records if "numba" in r.getMessage()]
+        assert len(warned) == 1 and "ml-dtypes" in warned[0], warned
+    finally:
+        dtypes._bfloat16_kernel.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])

@@ -178,9 +178,8 @@ def test_no_floating_point_warning_for_any_pattern(grad_dtype, bucket_dtype, wor
 
 
 def test_compiled_float32_to_bfloat16_cast_is_round_to_nearest_even():
-    """The optional compiled cast (numba installed) writes the integer reference's bits for every
-    float32 rounding case, NaNs as 0x7FC0."""
-    pytest.importorskip("numba")
+    """The compiled cast (numba) writes the integer reference's bits for every float32 rounding
+    case, NaNs as 0x7FC0."""
     import ml_dtypes
     from gradpool.dtypes import compiled_cast
     words = float32_patterns()
@@ -201,7 +200,7 @@ def test_compiled_cast_takes_only_contiguous_float32_to_bfloat16():
 
 
 def test_float32_to_bfloat16_without_the_compiled_cast(monkeypatch):
-    """Without numba the one-pass ml_dtypes cast (plus NaN canonicalization) writes the same bits."""
+    """Without numba (where it cannot be imported) the one-pass ml_dtypes cast (plus NaN canonicalization) writes the same bits."""
     from gradpool import dtypes
     monkeypatch.setattr(dtypes, "_bfloat16_kernel", lambda: None)
     words = float32_patterns()
