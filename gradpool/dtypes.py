@@ -174,9 +174,10 @@ def compiled_cast(dst: np.ndarray, src: np.ndarray) -> bool:
     cannot be imported.
 
     ml_dtypes casts float32 -> bfloat16 one element at a time (~1.9 G elements/s even in cache:
-    0.1-0.25 of a memcpy of the bytes written); the compiled integer loop is vectorized (0.4-0.7
-    of that memcpy at 16-256 MiB on the 2-core CPU machine). numba is a dependency; where it cannot
-    be imported (a platform without its wheels) the ml_dtypes cast is used."""
+    0.1-0.25 of a memcpy of the bytes written); the compiled integer loop is vectorized and bound
+    by memory traffic (0.5-0.6 of that memcpy at 16-256 MiB on the 2-core CPU machine). numba is
+    a dependency; where it cannot be imported (a platform without its wheels) the ml_dtypes cast
+    is used."""
     if src.dtype != _F32 or dst.dtype != _BF16 or src.shape != dst.shape \
             or not (src.flags.c_contiguous and dst.flags.c_contiguous):
         return False
@@ -198,8 +199,8 @@ def _bfloat16_kernel():  # pragma: no mutate block
         import numba
     except ImportError as exc:
         logger.warning("numba cannot be imported (%s): float32 -> bfloat16 host casts fall back "
-                       "to ml-dtypes, same bits, several times slower; pip install 'numba>=0.60,<0.69'",
-                       exc)
+                       "to ml-dtypes, same bits, several times slower; "
+                       "pip install 'numba>=0.60,<0.69'", exc)
         return None
 
     @numba.njit(nogil=True, cache=False)

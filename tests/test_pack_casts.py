@@ -200,7 +200,8 @@ def test_compiled_cast_takes_only_contiguous_float32_to_bfloat16():
 
 
 def test_float32_to_bfloat16_without_the_compiled_cast(monkeypatch):
-    """Without numba (where it cannot be imported) the one-pass ml_dtypes cast (plus NaN canonicalization) writes the same bits."""
+    """Without numba (where it cannot be imported) the one-pass ml_dtypes cast, plus NaN
+    canonicalization, writes the same bits."""
     from gradpool import dtypes
     monkeypatch.setattr(dtypes, "_bfloat16_kernel", lambda: None)
     words = float32_patterns()
