@@ -18,7 +18,7 @@ from gradpool import GradPoolConfig
 from gradpool import runtime as runtime_module
 from gradpool.app.config import from_dict
 from gradpool.app.model import TinyDeepSeekV3, make_batch, next_token_loss
-from gradpool.app.train import build_sharded_model, gathered_params, train_reference, train_sharded
+from gradpool.app.train import build_sharded_model, train_sharded
 from gradpool.errors import CommError, InvalidArgumentError
 from gradpool.runtime import runtime_for
 from gradpool.testing import FaultInjectingCommunicator
@@ -88,11 +88,7 @@ def test_async_training_with_micro_steps_equals_the_reference(comms, fusion):
     model = build_sharded_model(cfg)
     runtime = runtime_for(cfg.gradpool)
     records = train_sharded(cfg, model, runtime.comm, runtime.pool)
-    ref_losses, ref_params = train_reference(cfg, world=1)
-    np.testing.assert_array_equal([r.loss for r in records], ref_losses)
-    got = gathered_params(model)
-    for name, want in ref_params.items():
-        np.testing.assert_array_equal(got[name], want, err_msg=name)
+    harness.assert_trains_like_unsharded(cfg, model, records)
     assert all(u.async_stats.launched == cfg.train.steps for u in model._hsdp_units())
 
 

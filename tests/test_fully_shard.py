@@ -10,8 +10,7 @@ import pytest
 from mindspore import Parameter, mint, nn
 
 from gradpool.app.model import TinyDeepSeekV3, make_batch, next_token_loss
-from gradpool.app.train import (build_sharded_model, gathered_params, train_reference,
-                                train_sharded)
+from gradpool.app.train import build_sharded_model, train_sharded
 from gradpool import GradPoolConfig
 from gradpool.app.config import from_dict
 from gradpool.errors import GradientIntegrityError, InvalidArgumentError, PoolCapacityError
@@ -58,11 +57,7 @@ def test_world_one_training_equals_unsharded_reference(extra):
     assert isinstance(model, HSDPModule)
     runtime = runtime_for(cfg.gradpool)
     records = train_sharded(cfg, model, runtime.comm, runtime.pool)
-    ref_losses, ref_params = train_reference(cfg, world=1)
-    np.testing.assert_allclose([r.loss for r in records], ref_losses, rtol=1e-6)
-    got = gathered_params(model)
-    for name, want in ref_params.items():
-        np.testing.assert_allclose(got[name], want, rtol=1e-6, atol=1e-7, err_msg=name)
+    harness.assert_trains_like_unsharded(cfg, model, records, rtol=1e-6, atol=1e-7)
     assert [r.new_allocations for r in records[1:]] == [0] * (len(records) - 1)
     managed = [p.hsdp_param for p in model.trainable_params()]
     assert {p.verified_gradients for p in managed} == {cfg.train.steps * cfg.train.micro_steps}
@@ -244,11 +239,7 @@ def test_training_correct_when_collectives_complete_late(fusion, mode):
                                           err_msg=param.name)
         model.zero_grad()
         records = train_sharded(cfg, model, runtime.comm, runtime.pool)
-    ref_losses, ref_params = train_reference(cfg, world=1)
-    np.testing.assert_array_equal([r.loss for r in records], ref_losses)
-    got = gathered_params(model)
-    for name, want in ref_params.items():
-        np.testing.assert_array_equal(got[name], want, err_msg=name)
+    harness.assert_trains_like_unsharded(cfg, model, records)
 
 
 # -- bad input --------------------------------------------------------------------------------

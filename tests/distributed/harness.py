@@ -304,3 +304,15 @@ def late_communicators(delay_seconds: float = 0.02):
     from gradpool.testing import FaultInjectingCommunicator
     return wrapped_communicators(lambda inner: FaultInjectingCommunicator(
         inner, delay_seconds=delay_seconds, read_input_at="wait"))
+
+
+def assert_trains_like_unsharded(cfg, model, records, rtol: float = 0.0, atol: float = 0.0):
+    """In one process (world size 1): ``records``' losses and ``model``'s final parameters equal
+    the unsharded model's trained on the same batches, bit for bit unless a tolerance is given
+    (``rtol`` for losses and parameters, ``atol`` for parameters)."""
+    from gradpool.app.train import gathered_params, train_reference
+    ref_losses, ref_params = train_reference(cfg, world=1)
+    np.testing.assert_allclose([r.loss for r in records], ref_losses, rtol=rtol, atol=0)
+    got = gathered_params(model)
+    for name, want in ref_params.items():
+        np.testing.assert_allclose(got[name], want, rtol=rtol, atol=atol, err_msg=name)
