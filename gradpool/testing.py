@@ -92,6 +92,11 @@ class _DeferredHandle(CommHandle):
         return self._done
 
 
+def _check_seconds(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise InvalidArgumentError(f"{name} must be a number >= 0, got {value!r}")
+
+
 class _Wrapper(Communicator):
     """A communicator in front of another (``inner``): its group is the inner one's."""
 
@@ -118,10 +123,7 @@ class FaultInjectingCommunicator(_Wrapper):
     def __init__(self, inner: Communicator, delay_seconds: float = 0.0,
                  fail_wait: Union[BaseException, bool, None] = None,
                  read_input_at: str = "launch"):
-        if isinstance(delay_seconds, bool) or not isinstance(delay_seconds, (int, float)) \
-                or delay_seconds < 0:
-            raise InvalidArgumentError(
-                f"delay_seconds must be a number >= 0, got {delay_seconds!r}")
+        _check_seconds("delay_seconds", delay_seconds)
         if not (fail_wait is None or isinstance(fail_wait, (bool, BaseException))):
             raise InvalidArgumentError(
                 f"fail_wait must be an exception instance, True or None, got {fail_wait!r}")
@@ -177,10 +179,7 @@ class LatencyCommunicator(_Wrapper):
     synchronous calls (``async_op=False``) also pay the latency, before they return."""
 
     def __init__(self, inner: Communicator, latency_seconds: float):
-        if isinstance(latency_seconds, bool) or not isinstance(latency_seconds, (int, float)) \
-                or latency_seconds < 0:
-            raise InvalidArgumentError(
-                f"latency_seconds must be a number >= 0, got {latency_seconds!r}")
+        _check_seconds("latency_seconds", latency_seconds)
         self.inner = inner
         self.latency_seconds = float(latency_seconds)
         self.launches = 0
