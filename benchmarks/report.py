@@ -307,13 +307,17 @@ def _reduce_section(results: dict, summary: dict) -> list[str]:
            "512-byte aligned buckets; zero-copy: 4-byte alignment, so every gradient whose dim 0 "
            "divides by the world size is borrowed in place (fused buckets are never borrowed).",
            "",
-           "| world | comm_fusion | method | communicator | rounds | step time "
+           "Op launch: `async` is PyNative's default; `blocking` runs every op synchronously, as "
+           "`gradpool train` runs CPU ranks (`launch.launch_blocking`).",
+           "",
+           "| world | comm_fusion | method | communicator | op launch | rounds | step time "
            "| new allocations (step 1 / after) | pool high-water | copied per step "
            "| borrowed per step |",
-           "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "| ---: | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in sorted(rows, key=lambda r: (r["world_size"], r["comm_fusion"], r["method"])):
         out.append(f"| {r['world_size']} | {'on' if r['comm_fusion'] else 'off'} | {r['method']} "
-                   f"| {r['communicator']} | {timing_of(r)['rounds']} | {_spread(timing_of(r))} "
+                   f"| {r['communicator']} | {r.get('op_launch', 'async')} "
+                   f"| {timing_of(r)['rounds']} | {_spread(timing_of(r))} "
                    f"| {r['new_allocations_first_step']} / {r['new_allocations_after_first']} "
                    f"| {r['high_water_bytes'] / 1024:.1f} KiB "
                    f"| {r['bytes_copied_per_step'] / 1024:.1f} KiB | {r['borrows_per_step']:.0f} |")

@@ -16,6 +16,7 @@ from benchmarks.cases import (COPY_SIZES, DTYPE_PAIRS, KIB, MIB, SMALL_COUNT, SM
                               reduce_cases)
 from benchmarks.timing import (Budget, measure_budget, measure_interleaved,
                                measure_interleaved_fixed)
+from gradpool.device import launches_blocking
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class SuiteSettings:
     copy_pairs: tuple = DTYPE_PAIRS
     copy_budget: Budget = field(default_factory=Budget)
     reduce_warmup: int = 3
-    reduce_repeats: int = 20
+    reduce_repeats: int = 100
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -148,6 +149,7 @@ def run_reduce_suite(comm, settings: SuiteSettings, show_progress: bool = True) 
             rows.append({
                 "name": case.name, "method": case.method, "comm_fusion": case.comm_fusion,
                 "world_size": case.world_size, "communicator": type(comm).__name__,
+                "op_launch": "blocking" if launches_blocking() else "async",
                 "alignment_bytes": case.alignment_bytes, "gradients": run.gradients,
                 "grad_bytes": run.grad_bytes, **timing.to_dict(),
                 "new_allocations_first_step": first[case.name].new_allocations,

@@ -77,3 +77,19 @@ def _pynative_sync():
     # Imported once: an import statement costs ~0.7 us a call, as much as the drain itself.
     from mindspore.graph.api import _pynative_executor
     return _pynative_executor.sync
+
+
+def launches_blocking() -> bool:
+    """Whether this process runs every op to completion before the next is dispatched
+    (``mindspore.runtime.launch_blocking()`` was called), instead of PyNative's async queues."""
+    from mindspore._c_expression import RuntimeConf
+    return RuntimeConf.get_instance().is_launch_blocking()
+
+
+def block_launches() -> None:
+    """Run every op of this process synchronously from now on (process-wide; MindSpore has no way
+    back). On CPU ranks sharing a machine's cores this makes a small model's step an order of
+    magnitude faster: PyNative's queue threads of every rank otherwise compete for the same cores
+    (measured in the README's "Op launch" section)."""
+    import mindspore as ms
+    ms.runtime.launch_blocking()

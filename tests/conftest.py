@@ -3,3 +3,18 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))   # tests/ helpers (npref)
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "distributed"))   # harness, cases
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _launch_stays_asynchronous():
+    """Blocking op launch is process-wide and cannot be undone: a test that turned it on in this
+    process would make every later test in it run synchronously, where a missing wait for
+    MindSpore's launch queue can no longer show."""
+    yield
+    if "mindspore" in sys.modules:
+        from gradpool.device import launches_blocking
+        assert not launches_blocking(), \
+            "this test left the process launching ops blocking; run it with " \
+            "launch.launch_blocking=false or in a subprocess"

@@ -54,6 +54,7 @@ def test_json_structure(quick_results):
         (m, f) for m in REDUCE_METHODS for f in (False, True)}
     for row in reduce:
         assert row["world_size"] == 1 and row["communicator"] == "SingleProcessCommunicator"
+        assert row["op_launch"] == "async"          # the local suites keep MindSpore's default
         assert row["new_allocations_first_step"] > 0
         assert row["new_allocations_after_first"] == 0, row
         assert row["high_water_bytes"] > 0 and row["live_leases_after"] == 0
@@ -123,6 +124,7 @@ def test_distributed_rows_come_back_in_rank_0s_report(tmp_path, monkeypatch):
     ``gradpool.launch`` gives a rank (the real launch is covered by the distributed suites)."""
     import benchmarks.suites
     import gradpool.comm
+    import gradpool.device
     from gradpool.app import launch, rank_report
 
     rows = [{"method": "pool", "world_size": 2, "comm_fusion": False}]
@@ -130,6 +132,8 @@ def test_distributed_rows_come_back_in_rank_0s_report(tmp_path, monkeypatch):
     monkeypatch.setattr(gradpool.comm, "communicator_for", lambda *args, **kwargs: "comm")
     monkeypatch.setattr(benchmarks.suites, "run_reduce_suite", lambda *args: list(rows))
     monkeypatch.setattr(rank_report, "_launched", None)
+    blocked = []            # the CPU ranks block op launch (process-wide: not in this process)
+    monkeypatch.setattr(gradpool.device, "block_launches", lambda: blocked.append(True))
     launched = []
 
     def fake_run_ranks(script, args, nproc, log_dir, timeout):
@@ -145,6 +149,7 @@ def test_distributed_rows_come_back_in_rank_0s_report(tmp_path, monkeypatch):
     options = runner.RunOptions(nproc=2, out=tmp_path / "r.json", quick=True, progress=False,
                                 suites=("reduce-dist",))
     assert runner._launch_ranks(options) == rows
+    assert blocked == [True]
     (args, returned), = launched
     assert returned is None and "--out" not in args        # no side file: the report only
     assert not (tmp_path / "r.json").exists()

@@ -91,15 +91,22 @@ def test_train_with_a_bad_config_launches_nothing(capsys):
 
 
 # -- train, one rank in this process -----------------------------------------------------------
+# In this process, the rank and the reference keep MindSpore's asynchronous launch: blocking is
+# process-wide and cannot be undone, and the tests after these must run as MindSpore's default
+# runs (tests/conftest.py fails a test that leaves the process blocking).
+IN_PROCESS = ["--set", "launch.launch_blocking=false"]
+
+
 def test_train_one_rank_in_process_with_reference(tmp_path, capsys):
     code = main(["train", "--config", str(TINY), "--reference", "--set", "launch.ranks=1",
-                 "--set", "train.steps=2", "--set", f"launch.log_dir={tmp_path}"])
+                 "--set", "train.steps=2", "--set", f"launch.log_dir={tmp_path}", *IN_PROCESS])
     out = capsys.readouterr().out
     assert code == EXIT_OK, out
     steps = STEP_LINE.findall(out)
     assert [(s[0], s[1]) for s in steps] == [("1", "2"), ("2", "2")]
     assert steps[1][3] == "0"                        # no new allocation in step 2
     assert "summary: 2 steps" in out and "0 new allocations after step 1" in out
+    assert "op launch: asynchronous (1 rank(s); launch.launch_blocking)" in out
     abs_diff, rel_diff = map(float, REFERENCE_LINE.search(out).groups())
     assert rel_diff <= 1e-5 and abs_diff <= 1e-4
     assert (tmp_path / "config.yaml").is_file()
@@ -111,7 +118,7 @@ def test_train_one_rank_in_process_with_reference(tmp_path, capsys):
 
 def test_train_prints_its_log_directory_before_anything_runs(tmp_path, capsys):
     code = main(["train", "--config", str(TINY), "--set", "launch.ranks=1", "--set",
-                 "train.steps=1", "--set", f"launch.log_dir={tmp_path / 'run'}"])
+                 "train.steps=1", "--set", f"launch.log_dir={tmp_path / 'run'}", *IN_PROCESS])
     out = capsys.readouterr().out
     assert code == EXIT_OK, out
     lines = out.splitlines()
@@ -146,8 +153,9 @@ def test_rank_counters_cross_the_all_reduce_exactly():
     import numpy as np
     from gradpool.app.rank_main import OUTCOME_FIELDS, encode_row, exchange
     from gradpool.comm import SingleProcessCommunicator
-    mine = [1, 5, 205, 43, 2 ** 40 + 3, 7, 2 ** 33 + 1, 2 ** 45 + 12345, 0.25, 0.5, 2, 17]
-    theirs = [1, 5, 199, 44, 2 ** 31 - 1, 2 ** 24 + 1, 3, 16777217, 0.125, 0.0, 0, 2 ** 48 - 1]
+    mine = [1, 5, 205, 1, 43, 2 ** 40 + 3, 7, 2 ** 33 + 1, 2 ** 45 + 12345, 0.25, 0.5, 2, 17]
+    theirs = [1, 5, 199, 0, 44, 2 ** 31 - 1, 2 ** 24 + 1, 3, 16777217, 0.125, 0.0, 0,
+              2 ** 48 - 1]
     assert exchange(SingleProcessCommunicator(), mine, OUTCOME_FIELDS) == [mine]
 
     class TwoRanks:                 # rank 0 of 2; the "all-reduce" adds rank 1's slot
@@ -204,6 +212,8 @@ def test_train_two_ranks_matches_the_reference():
     assert summary, out
     verified = re.search(r"^gradient integrity: (\d+) gradients verified unchanged", out, re.M)
     assert verified and int(verified.group(1)) > 0
+    # the CPU default, as each rank read it from MindSpore after setting it up
+    assert "op launch: blocking (2 rank(s); launch.launch_blocking)" in out
     abs_diff, rel_diff = map(float, REFERENCE_LINE.search(out).groups())
     assert rel_diff <= 1e-5 and abs_diff <= 1e-4
 

@@ -346,6 +346,7 @@ SIMPLE = {
     "launch.ranks": st.integers(1, 8),      # within one host's bound on CPU and Ascend
     "launch.device": st.sampled_from(["CPU", "Ascend"]),
     "launch.master_port": st.none() | st.integers(1, 65535),
+    "launch.launch_blocking": st.none() | st.booleans(),
     "launch.log_dir": st.none() | st.text(
         st.characters(whitelist_categories=("L", "N"), whitelist_characters="/_-. "),
         min_size=1, max_size=20).filter(lambda s: s.strip() == s),

@@ -45,7 +45,8 @@ def _kib(text: str) -> float:
 def test_two_nodes_on_one_host_train_and_node_0_reports_both_ranks(tmp_path):
     common = ["launch.nodes=2", "launch.ranks=2", f"launch.master_port={free_port()}",
               "launch.master_addr=127.0.0.1", f"launch.log_dir={tmp_path}",
-              f"train.steps={STEPS}", "launch.cluster_timeout_s=120"]
+              f"train.steps={STEPS}", "launch.cluster_timeout_s=120",
+              "launch.launch_blocking=false"]     # the main job's asynchronous mode, on 2 ranks
     start = time.monotonic()
     node0 = _train(*common, "launch.node_rank=0")
     node1 = _train(*common, "launch.node_rank=1")
@@ -62,6 +63,7 @@ def test_two_nodes_on_one_host_train_and_node_0_reports_both_ranks(tmp_path):
     ranks = RANK_LINE.findall(out0)
     assert [(r[0], r[1], r[2]) for r in ranks] == [("0", "0", "2"), ("1", "1", "2")], out0
     assert "ranks: 2 on 2 node(s), every one ok" in out0
+    assert "op launch: asynchronous (2 rank(s); launch.launch_blocking)" in out0
     assert re.search(r"^gradient integrity: \d+ gradients verified unchanged after their reduce "
                      r"path \(all 2 ranks\)$", out0, re.M)
     # node 1: its own ranks, no job summary

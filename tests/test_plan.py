@@ -8,6 +8,7 @@ import math
 import time
 from pathlib import Path
 
+import mindspore as ms
 import pytest
 
 from gradpool.app import rank_main
@@ -35,9 +36,8 @@ def test_parameter_specs_equal_the_built_models_parameters(model):
 
 
 def test_parameter_specs_name_the_units_build_sharded_model_makes():
-    from gradpool.app.job import set_device
     from gradpool.app.train import build_sharded_model
-    set_device("CPU")
+    ms.set_device("CPU")
     reset_runtimes()
     try:
         cfg = load_config(TINY, ["launch.ranks=1"])
@@ -56,11 +56,10 @@ def test_parameter_specs_name_the_units_build_sharded_model_makes():
 @pytest.fixture
 def in_process(monkeypatch):
     from gradpool.app import rank_report
-    from gradpool.app.job import set_device
     for name in (rank_report.ENV_DIR, "RANK_ID", "MS_ROLE", "MS_WORKER_NUM"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(rank_report, "_launched", None)
-    set_device("CPU")
+    ms.set_device("CPU")
     reset_runtimes()
     yield
     reset_runtimes()

@@ -278,6 +278,11 @@ def _print_summary(result) -> None:
             high = [r["high_water_bytes"] for r in ranks]
             print(f"  ... {len(ranks) - MAX_RANK_LINES} more; pool high-water from "
                   f"{_bytes(min(high))} to {_bytes(max(high))}")
+    blocking = [bool(r["launch_blocking"]) for r in ranks] if len(ranks) > 1 else \
+        [outcome.launch_blocking]
+    mode = "blocking" if all(blocking) else "asynchronous" if not any(blocking) else \
+        f"blocking on ranks {[i for i, b in enumerate(blocking) if b]}, asynchronous elsewhere"
+    print(f"op launch: {mode} ({len(blocking)} rank(s); launch.launch_blocking)")
     if outcome.verify_gradients:
         if len(ranks) > 1:
             print(f"gradient integrity: {sum(r['verified_gradients'] for r in ranks)} gradients "

@@ -61,10 +61,14 @@ _FALSE_WORDS = {"false", "no", "off"}
 
 @dataclass(frozen=True)
 class Bool:
-    def describe(self) -> str:
-        return "a bool (true or false)"
+    nullable: bool = False
 
-    def coerce(self, value: Any, lenient: bool) -> bool:
+    def describe(self) -> str:
+        return "a bool (true or false)" + (" or null" if self.nullable else "")
+
+    def coerce(self, value: Any, lenient: bool) -> Optional[bool]:
+        if value is None and self.nullable:
+            return None
         if isinstance(value, bool):
             return value
         if lenient and isinstance(value, str):
@@ -411,6 +415,14 @@ class LaunchConfig(_Section):
     hccl_exec_timeout_s: Optional[int] = _key(None, Int(minimum=0, maximum=2 ** 31 - 1,
                                                         nullable=True))
     hccl_buffsize_mib: Optional[int] = _key(None, Int(minimum=1, nullable=True))
+    launch_blocking: Optional[bool] = _key(None, Bool(nullable=True))   # null: true on CPU only
+
+    @property
+    def blocks_launches(self) -> bool:
+        """Whether the ranks run every op synchronously: ``launch_blocking``, or when null, true on
+        CPU (ranks sharing a host's cores) and false on Ascend (async launch keeps the device
+        streams fed and collectives overlapped)."""
+        return self.device == "CPU" if self.launch_blocking is None else self.launch_blocking
 
     @property
     def local_ranks(self) -> int:

@@ -116,12 +116,6 @@ def node_dir(base, node: int) -> Path:
     return Path(base) / f"node{node}"
 
 
-def set_device(device: str) -> None:
-    """Point this process's MindSpore at ``device`` (the in-process rank and the reference)."""
-    import mindspore as ms
-    ms.set_device(device)
-
-
 def run_job(cfg: RunConfig, on_step: Optional[StepCallback] = None,
             timeout: float = 3600, log_dir=None) -> JobResult:
     """Run this node's ranks of ``cfg`` (all of them with one node); ``on_step`` sees the job's
@@ -134,7 +128,7 @@ def run_job(cfg: RunConfig, on_step: Optional[StepCallback] = None,
     local = range(launch.first_rank, launch.first_rank + launch.local_ranks)
     start = time.monotonic()
     if launch.ranks == 1:
-        set_device(launch.device)
+        rank_main.prepare_process(launch)
         rank_main.run_rank(cfg, log_dir, on_step=on_step)
     else:
         _run_under_msrun(cfg, log_dir, on_step, timeout)
@@ -239,7 +233,7 @@ def read_outcomes(log_dir: Path, ranks) -> list:
 
 def compare_with_reference(cfg: RunConfig, records: list) -> ReferenceComparison:
     """Train the unsharded model in this process on the same global batches; compare losses."""
-    set_device(cfg.launch.device)
+    rank_main.prepare_process(cfg.launch)
     reference, _ = train_reference(cfg, world=cfg.launch.ranks)
     sharded = [r.loss for r in records]
     diffs = [abs(s - r) for s, r in zip(sharded, reference)]

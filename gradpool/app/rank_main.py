@@ -49,7 +49,8 @@ import numpy as np
 from gradpool.app import rank_report
 from gradpool.app.train import NonFiniteLossError, build_sharded_model, train_sharded
 from gradpool.comm import init_distributed
-from gradpool.app.config import RunConfig, load_config
+from gradpool.app.config import LaunchConfig, RunConfig, load_config
+from gradpool.device import block_launches, launches_blocking
 from gradpool.errors import GradientIntegrityError, GradPoolError, InvalidArgumentError
 from gradpool.runtime import runtime_for
 
@@ -63,7 +64,7 @@ STEP_FIELDS = (("seconds", float), ("bytes_copied", int), ("copy_gbps", float),
                ("new_allocations", int), ("high_water_bytes", int), ("stall_seconds", float),
                ("stalls", int))
 OUTCOME_FIELDS = (("ok", int), ("steps", int), ("verified_gradients", int),
-                  ("new_allocations", int), ("reuses", int), ("bytes_reserved", int),
+                  ("launch_blocking", int), ("new_allocations", int), ("reuses", int), ("bytes_reserved", int),
                   ("high_water_bytes", int), ("bytes_copied", int), ("copy_seconds", float),
                   ("stall_seconds", float), ("stalls", int), ("padding_bytes", int))
 _DIGIT = 2 ** 16            # ints cross the float32 all-reduce as base-2^16 digits: exact
@@ -86,6 +87,7 @@ class RankOutcome:
     error_message: Optional[str] = None
     verify_gradients: bool = False
     verified_gradients: int = 0         # gradients checksummed intact after their reduce path
+    launch_blocking: bool = False       # ops ran synchronously (read from MindSpore, not the config)
     pool: dict = field(default_factory=dict)   # gradpool.pool.PoolStats as a dict
 
     @property
@@ -116,7 +118,8 @@ def run_rank(cfg: RunConfig, out_dir, on_step: Optional[Callable] = None,
         return _cluster_failed(cfg, out_dir, exc)
     reporter = rank_report.reporter_for(out_dir, rank, world)
     outcome = RankOutcome(rank=rank, world_size=world,
-                          verify_gradients=cfg.gradpool.verify_gradients)
+                          verify_gradients=cfg.gradpool.verify_gradients,
+                          launch_blocking=launches_blocking())
     steps: list = []
     model = runtime = None
     try:
@@ -163,6 +166,14 @@ def run_rank(cfg: RunConfig, out_dir, on_step: Optional[Callable] = None,
         # waiting in it are stopped by the launcher; their outcome is on file already.
         _publish_job(cfg, reporter, runtime.comm, outcome)
     return outcome
+
+
+def prepare_process(launch: LaunchConfig) -> None:
+    """Set up a process that trains (a rank, the in-process rank, the reference): its device, and
+    blocking op launch when ``launch.blocks_launches`` (process-wide, never undone)."""
+    ms.set_device(launch.device)
+    if launch.blocks_launches:
+        block_launches()
 
 
 def step_line(cfg: RunConfig, record, rank: int, world: int) -> str:
@@ -217,8 +228,8 @@ def decode_row(slot: Sequence, fields: Sequence) -> list:
 
 def _publish_job(cfg: RunConfig, reporter, comm, outcome: RankOutcome) -> None:
     pool = outcome.pool
-    mine = [1, outcome.steps, outcome.verified_gradients] + [pool[name] for name, _ in
-                                                            OUTCOME_FIELDS[3:]]
+    mine = [1, outcome.steps, outcome.verified_gradients, int(outcome.launch_blocking)] + \
+        [pool[name] for name, _ in OUTCOME_FIELDS[4:]]
     rows = exchange(comm, mine, OUTCOME_FIELDS)
     if outcome.rank != 0:
         return
@@ -269,7 +280,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     cfg = load_config(args.config, args.overrides)
-    ms.set_device(cfg.launch.device)
+    prepare_process(cfg.launch)
     # Under msrun the scheduler process runs this too; it serves the cluster inside
     # init_distributed() (called first thing in run_rank) and never gets past it.
     outcome = run_rank(cfg, args.out_dir, log_steps=True)
