@@ -188,6 +188,22 @@ def test_compiled_float32_to_bfloat16_cast_is_round_to_nearest_even():
     np.testing.assert_array_equal(out.view(np.uint16), rne_bfloat16(words))
 
 
+@pytest.mark.parametrize("length", [1, 2, 3, 4, 17, 4096 + 3])
+@pytest.mark.parametrize("offset", [0, 1], ids=["4-byte-aligned", "2-byte-aligned"])
+def test_compiled_cast_of_any_length_at_any_alignment(length, offset):
+    """Any length, also on an output that starts between two 32-bit words: the bits of the
+    integer reference, and nothing written outside the output."""
+    import ml_dtypes
+    from gradpool.dtypes import compiled_cast
+    words = float32_patterns()[:length] if length <= 4096 else float32_patterns()[-length:]
+    backing = np.full(length + 2, 0x1234, np.uint16)
+    out = backing[offset:offset + length].view(ml_dtypes.bfloat16)
+    assert out.ctypes.data % 4 == 2 * offset          # NumPy aligns its allocations to 16
+    assert compiled_cast(out, words.view(np.float32))
+    np.testing.assert_array_equal(out.view(np.uint16), rne_bfloat16(words))
+    assert (np.delete(backing, np.arange(offset, offset + length)) == 0x1234).all()
+
+
 def test_compiled_cast_takes_only_contiguous_float32_to_bfloat16():
     import ml_dtypes
     from gradpool.dtypes import compiled_cast
