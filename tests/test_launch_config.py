@@ -117,6 +117,22 @@ def test_bad_launch_sections_are_refused_naming_key_and_value(keys, key, needles
         assert needle in str(err.value), str(err.value)
 
 
+@pytest.mark.parametrize("keys, blocks", [
+    ({}, True), ({"device": "Ascend"}, False),                       # null: by device
+    ({"launch_blocking": False}, False), ({"device": "Ascend", "launch_blocking": True}, True),
+])
+def test_op_launch_blocks_on_cpu_unless_told(keys, blocks):
+    assert launch(**keys).blocks_launches is blocks
+
+
+def test_a_launch_blocking_that_is_not_a_bool_is_refused():
+    assert load_config(TINY, ["launch.launch_blocking=off"]).launch.blocks_launches is False
+    with pytest.raises(ConfigValueError) as err:
+        load_config(TINY, ["launch.launch_blocking=sometimes"])
+    assert err.value.key == "launch.launch_blocking"
+    assert "'sometimes'" in str(err.value) and "a bool (true or false) or null" in str(err.value)
+
+
 def test_the_per_node_bound_lets_more_nodes_carry_more_ranks():
     bound = max_ranks("Ascend")
     assert launch(ranks=4 * bound, nodes=4, device="Ascend", master_port=29500).local_ranks \

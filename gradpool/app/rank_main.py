@@ -64,9 +64,10 @@ STEP_FIELDS = (("seconds", float), ("bytes_copied", int), ("copy_gbps", float),
                ("new_allocations", int), ("high_water_bytes", int), ("stall_seconds", float),
                ("stalls", int))
 OUTCOME_FIELDS = (("ok", int), ("steps", int), ("verified_gradients", int),
-                  ("launch_blocking", int), ("new_allocations", int), ("reuses", int), ("bytes_reserved", int),
-                  ("high_water_bytes", int), ("bytes_copied", int), ("copy_seconds", float),
-                  ("stall_seconds", float), ("stalls", int), ("padding_bytes", int))
+                  ("launch_blocking", int), ("new_allocations", int), ("reuses", int),
+                  ("bytes_reserved", int), ("high_water_bytes", int), ("bytes_copied", int),
+                  ("copy_seconds", float), ("stall_seconds", float), ("stalls", int),
+                  ("padding_bytes", int))
 _DIGIT = 2 ** 16            # ints cross the float32 all-reduce as base-2^16 digits: exact
 _DIGITS = 4
 
