@@ -355,7 +355,10 @@ def case_timings(results: dict) -> dict:
                 for c in copy.get("cases", []) if c.get("paired_pool")})
     if copy.get("small_op"):
         out["copy small-op reference"] = timing_of(copy["small_op"])
-    out.update({f"reduce {r['name']}": timing_of(r) for r in results.get("reduce") or []})
+    # A blocking-launch row is another case than an async one of the same name: never compared.
+    out.update({f"reduce {r['name']}" + (" (blocking launch)" if r.get("op_launch") == "blocking"
+                                         else ""): timing_of(r)
+                for r in results.get("reduce") or []})
     return out
 
 

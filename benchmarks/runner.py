@@ -127,7 +127,7 @@ def _run_as_rank(options: RunOptions) -> Optional[dict]:
     from benchmarks.suites import run_reduce_suite
     from gradpool.app import rank_report
     from gradpool.comm import communicator_for, init_distributed
-    from gradpool.device import block_launches
+    from gradpool.device import block_launches, blocks_launches_by_default
 
     rank, world = init_distributed()     # msrun's scheduler process never returns from this
     if world != options.nproc:
@@ -136,7 +136,7 @@ def _run_as_rank(options: RunOptions) -> Optional[dict]:
     results["machine"]["copy_suite_concurrent_ranks"] = world if "copy" in options.suites else 0
     _run_local_suites(results, options, show=rank == 0)
     if "reduce-dist" in options.suites and world > 1:
-        if options.device == "CPU":
+        if blocks_launches_by_default(options.device):
             # As `gradpool train` runs CPU ranks (launch.launch_blocking's default): with PyNative's
             # async queues, 2 ranks on 2 cores spend most of a step handing ops between threads,
             # and the spread of the step (IQR 4-6 ms on 12 ms) hides the pool's cost. After the

@@ -79,6 +79,12 @@ def _pynative_sync():
     return _pynative_executor.sync
 
 
+def blocks_launches_by_default(device: str) -> bool:
+    """Whether a training process on ``device`` runs ops blocking unless told otherwise: on CPU,
+    where ranks share the host's cores; not on Ascend, where async launch keeps the streams fed."""
+    return device == "CPU"
+
+
 def launches_blocking() -> bool:
     """Whether this process runs every op to completion before the next is dispatched
     (``mindspore.runtime.launch_blocking()`` was called), instead of PyNative's async queues."""

@@ -177,6 +177,25 @@ def test_compare_reports_changes_and_fails_above_threshold(quick_results, tmp_pa
     assert benchmarks_main(["compare", str(out), str(tmp_path / "missing.json")]) == 2
 
 
+def test_compare_never_matches_rows_of_two_launch_modes(quick_results):
+    from benchmarks.report import compare
+    out, _ = quick_results
+    old = json.loads(out.read_text())
+    new = json.loads(out.read_text())
+    row = new["reduce"][0]
+    row["op_launch"] = "blocking"
+    for key in ("median_s", "q1_s", "q3_s"):
+        row[key] /= 10                        # "10x faster": another mode, not a change
+    lines, regressions = compare(old, new, fail_above=5)
+    name = f"reduce {row['name']}"
+    assert not regressions and not any(line.startswith(name + " ") and "%" in line
+                                       for line in lines)
+    assert f"{name} (blocking launch)" in "\n".join(lines)
+    assert any(line.startswith(name) and line.endswith("only in the old file") for line in lines)
+    assert any(line.startswith(f"{name} (blocking launch)") and
+               line.endswith("only in the new file") for line in lines)
+
+
 def test_missing_bench_extra_is_one_line_naming_the_install(monkeypatch):
     import importlib.util
     real = importlib.util.find_spec

@@ -91,21 +91,32 @@ def test_train_with_a_bad_config_launches_nothing(capsys):
 
 
 # -- train, one rank in this process -----------------------------------------------------------
-# In this process, the rank and the reference keep MindSpore's asynchronous launch: blocking is
-# process-wide and cannot be undone, and the tests after these must run as MindSpore's default
-# runs (tests/conftest.py fails a test that leaves the process blocking).
+# Blocking op launch is process-wide and cannot be undone, and the tests after these must run as
+# MindSpore's default runs (tests/conftest.py fails a test that leaves the process blocking): in
+# this process, block_launches is recorded instead of called, or the key is false.
 IN_PROCESS = ["--set", "launch.launch_blocking=false"]
 
 
-def test_train_one_rank_in_process_with_reference(tmp_path, capsys):
+@pytest.fixture
+def blocked(monkeypatch):
+    from gradpool.app import rank_main
+    calls = []
+    monkeypatch.setattr(rank_main, "block_launches", lambda: calls.append(True))
+    return calls
+
+
+def test_train_one_rank_in_process_with_reference(tmp_path, capsys, blocked):
     code = main(["train", "--config", str(TINY), "--reference", "--set", "launch.ranks=1",
-                 "--set", "train.steps=2", "--set", f"launch.log_dir={tmp_path}", *IN_PROCESS])
+                 "--set", "train.steps=2", "--set", f"launch.log_dir={tmp_path}"])
     out = capsys.readouterr().out
     assert code == EXIT_OK, out
     steps = STEP_LINE.findall(out)
     assert [(s[0], s[1]) for s in steps] == [("1", "2"), ("2", "2")]
     assert steps[1][3] == "0"                        # no new allocation in step 2
     assert "summary: 2 steps" in out and "0 new allocations after step 1" in out
+    # the CPU default: the in-process rank and the reference each set blocking launch up (the
+    # summary says what MindSpore reports, here the recorded call's process default)
+    assert blocked == [True, True]
     assert "op launch: asynchronous (1 rank(s); launch.launch_blocking)" in out
     abs_diff, rel_diff = map(float, REFERENCE_LINE.search(out).groups())
     assert rel_diff <= 1e-5 and abs_diff <= 1e-4
@@ -116,11 +127,12 @@ def test_train_one_rank_in_process_with_reference(tmp_path, capsys):
     assert load_config(tmp_path / "config.yaml").launch.ranks == 1
 
 
-def test_train_prints_its_log_directory_before_anything_runs(tmp_path, capsys):
+def test_train_prints_its_log_directory_before_anything_runs(tmp_path, capsys, blocked):
     code = main(["train", "--config", str(TINY), "--set", "launch.ranks=1", "--set",
                  "train.steps=1", "--set", f"launch.log_dir={tmp_path / 'run'}", *IN_PROCESS])
     out = capsys.readouterr().out
     assert code == EXIT_OK, out
+    assert blocked == []                                 # launch.launch_blocking=false
     lines = out.splitlines()
     logs = next(i for i, line in enumerate(lines) if line.startswith("gradpool train: logs in "))
     assert lines[logs] == f"gradpool train: logs in {tmp_path / 'run'}"

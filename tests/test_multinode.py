@@ -46,7 +46,7 @@ def test_two_nodes_on_one_host_train_and_node_0_reports_both_ranks(tmp_path):
     common = ["launch.nodes=2", "launch.ranks=2", f"launch.master_port={free_port()}",
               "launch.master_addr=127.0.0.1", f"launch.log_dir={tmp_path}",
               f"train.steps={STEPS}", "launch.cluster_timeout_s=120",
-              "launch.launch_blocking=false"]     # the main job's asynchronous mode, on 2 ranks
+              "launch.launch_blocking=false"]     # a job on msrun ranks with async launch
     start = time.monotonic()
     node0 = _train(*common, "launch.node_rank=0")
     node1 = _train(*common, "launch.node_rank=1")

@@ -37,6 +37,7 @@ import yaml
 from gradpool import (DTYPE_NAMES, SUPPORTED_DEVICES, ConfigError, ConfigValueError,
                       GradPoolConfig, InvalidArgumentError, OverrideSyntaxError,
                       UnknownConfigKeyError)
+from gradpool.device import blocks_launches_by_default
 from gradpool.runtime import MIB
 
 # Old key name -> its name now, per section; read with a FutureWarning.
@@ -422,7 +423,9 @@ class LaunchConfig(_Section):
         """Whether the ranks run every op synchronously: ``launch_blocking``, or when null, true on
         CPU (ranks sharing a host's cores) and false on Ascend (async launch keeps the device
         streams fed and collectives overlapped)."""
-        return self.device == "CPU" if self.launch_blocking is None else self.launch_blocking
+        if self.launch_blocking is None:
+            return blocks_launches_by_default(self.device)
+        return self.launch_blocking
 
     @property
     def local_ranks(self) -> int:
