@@ -13,6 +13,7 @@ the flat bucket leaves rank ``r`` with row ``r``: its contiguous shard of every 
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -125,17 +126,19 @@ class ReduceScatterLayout:
         return cls(world_size=world_size, alignment=alignment, slots=tuple(slots),
                    row_numel=round_up(cursor, alignment))
 
-    @property
+    # Derived sizes are cached on the (frozen) instance: every pack asks for them, and computing
+    # them is a sum over the slots.
+    @functools.cached_property
     def total_numel(self) -> int:
         """Elements in the whole input bucket (``W * row_numel``)."""
         return self.world_size * self.row_numel
 
-    @property
+    @functools.cached_property
     def data_numel(self) -> int:
         """Elements of real gradient data in the bucket."""
         return sum(slot.numel for slot in self.slots)
 
-    @property
+    @functools.cached_property
     def padding_numel(self) -> int:
         """Elements of the bucket that hold no gradient (uneven-shard rows and alignment gaps)."""
         return self.total_numel - self.data_numel
@@ -172,6 +175,10 @@ class ReduceScatterLayout:
     def is_identity(self) -> bool:
         """True when the bucket is byte-for-byte the flat gradient: one gradient, shard dim 0,
         evenly divisible, no alignment gap. Only then can a collective read a gradient in place."""
+        return self._identity
+
+    @functools.cached_property
+    def _identity(self) -> bool:
         if len(self.slots) != 1:
             return False
         return self.slots[0].shard_dim == 0 and self.padding_numel == 0

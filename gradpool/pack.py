@@ -26,14 +26,15 @@ rounds to nearest even like MindSpore's; its NaNs are rewritten to MindSpore's c
 (:func:`gradpool.dtypes.canonicalize_nans`, a read-only scan unless a NaN is there), so the two
 paths write the same bits (``tests/test_pack_casts.py``). A single float32 gradient packed into
 a bfloat16 bucket is cast by a compiled loop instead (:func:`gradpool.dtypes.compiled_cast`,
-numba; same bits, several times faster; ml-dtypes where numba cannot be imported).
+numba; same bits, several times faster; ml-dtypes where numba cannot be imported). One
+gradient whose bucket is exactly the flat gradient (the gradient-by-gradient reduce, a large
+gradient) takes a short path with the same checks and writes (:func:`_put_one_on_host`).
 """
 from __future__ import annotations
 
 import functools
 import math
-import weakref
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import ml_dtypes
 import mindspore as ms
@@ -42,8 +43,9 @@ from mindspore import mint
 
 from gradpool.device import drain_launch_queue
 from gradpool.dtypes import (canonicalize_nans, check_dtype, compiled_cast, host_alias,
-                             host_view, is_whole_storage, itemsize, overwrite)
-from gradpool.errors import LayoutMismatchError
+                             host_view, is_supported_singleton, is_whole_storage, itemsize,
+                             overwrite)
+from gradpool.errors import LayoutMismatchError, LeaseStateError
 from gradpool.layout import GradSlot, ReduceScatterLayout
 from gradpool.pool import Lease
 
@@ -167,7 +169,8 @@ def unpack_gathered(lease: Lease, layout: ReduceScatterLayout, *, host: bool) ->
             f"lease holds {lease.numel} elements; the layout needs {layout.total_numel}")
     world, row = layout.world_size, layout.row_numel
     if host and _host_applies(lease):
-        rows = host_view(lease.allocation)[:lease.numel].reshape(world, row)
+        drain_launch_queue()          # the collective that filled the bucket has run
+        rows = _host_bucket(lease).reshape(world, row)
         # copy() always copies the [W, chunk] column block (ascontiguousarray would return the
         # bucket itself when the block is the whole bucket); from_numpy adopts that copy.
         flats = [ms.from_numpy(rows[:, s.offset:s.offset + s.chunk_numel].copy().reshape(-1))
@@ -188,6 +191,10 @@ def unpack_gathered(lease: Lease, layout: ReduceScatterLayout, *, host: bool) ->
 
 # -- internals -----------------------------------------------------------------------------------
 def _put(lease: Lease, grads, layout: ReduceScatterLayout, add: bool, host: bool) -> Written:
+    if host and len(grads) == 1 and layout.is_identity() and _host_applies(lease):
+        written = _put_one_on_host(lease, grads[0], layout, add)
+        if written is not None:
+            return written
     _check(lease, grads, layout)
     on_host = host and _host_applies(lease)
     if on_host:
@@ -207,11 +214,14 @@ def _check(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout
         raise LayoutMismatchError(
             f"got {len(grads)} gradients for a layout of {len(layout.slots)}; pass one per slot")
     for slot, grad in zip(layout.slots, grads):
-        if tuple(grad.shape) != slot.shape:
+        shape = grad.shape
+        if shape != slot.shape and tuple(shape) != slot.shape:   # MindSpore gives a tuple
             raise LayoutMismatchError(
-                f"gradient {slot.index} has shape {tuple(grad.shape)}; the layout expects "
+                f"gradient {slot.index} has shape {tuple(shape)}; the layout expects "
                 f"{slot.shape}")
-        check_dtype(grad.dtype)
+        dtype = grad.dtype
+        if not is_supported_singleton(dtype):
+            check_dtype(dtype)
     if lease.numel != layout.total_numel:
         raise LayoutMismatchError(
             f"lease holds {lease.numel} elements; the layout needs {layout.total_numel}")
@@ -243,9 +253,41 @@ def _assemble(grads: Sequence[ms.Tensor], layout: ReduceScatterLayout) -> ms.Ten
     return out.view(layout.total_numel)
 
 
+def _put_one_on_host(lease: Lease, grad: ms.Tensor, layout: ReduceScatterLayout,
+                     add: bool) -> Optional[Written]:
+    """One gradient into a bucket that is exactly the flat gradient, on a CPU pool: the general
+    path's checks and write in one flat function. None, having written nothing, unless ``grad``
+    is a contiguous CPU tensor of the layout's shape and a supported dtype and the lease holds
+    the layout's elements; the general path then writes it or raises the precise error.
+
+    A separate path because this is the gradient-by-gradient reduce's every pack and the large
+    gradient's bandwidth path: at 1 MiB the Python around the copy runs with the caches the copy
+    evicted, and each call level it skips saves about half a microsecond there."""
+    if grad.shape != layout.slots[0].shape or lease.numel != layout.total_numel:
+        return None
+    drain_launch_queue()          # as in _host_write: the producer of grad has run
+    bucket = _host_bucket(lease)  # raises LeaseStateError on a released lease
+    src = host_alias(grad, keep_alive=False)     # the caller holds grad while this runs
+    if src is None:
+        return None
+    if not add and src.dtype == bucket.dtype:
+        np.copyto(bucket, src)
+    elif _write_flat(bucket, src, add) and bucket.dtype.itemsize == 2:
+        canonicalize_nans(bucket)
+    return Written(layout.total_numel * bucket.dtype.itemsize, 0, True)
+
+
 def _host_applies(lease: Lease) -> bool:
     # Every supported dtype and shard dim has a host path; only the pool's device decides.
     return lease.pool.device == "CPU"
+
+
+def _host_bucket(lease: Lease) -> np.ndarray:
+    """The lease's elements in its bucket's host memory (a CPU pool's buckets always have it)."""
+    array = lease.host_array()
+    if array is None:
+        raise LeaseStateError(f"{lease!r} has no host memory; use host=False")
+    return array
 
 
 def _host_write(lease: Lease, grads, layout: ReduceScatterLayout, add: bool) -> None:
@@ -254,21 +296,11 @@ def _host_write(lease: Lease, grads, layout: ReduceScatterLayout, add: bool) -> 
     # poison fill) or writes a gradient (the op that produced it); the views below wait for
     # nothing.
     drain_launch_queue()
-    bucket = _bucket_array(lease)
+    bucket = _host_bucket(lease)
     if layout.is_identity():
         # The bucket is the flat gradient: one call, none of the per-chunk bookkeeping (this is
         # most of a small pack's fixed cost besides taking the two host views).
-        src = _source_array(grads[0]).reshape(-1)
-        rounded = add or src.dtype != bucket.dtype
-        if not rounded:
-            np.copyto(bucket, src)
-        elif not add and compiled_cast(bucket, src):
-            rounded = False       # NaNs written canonical already
-        elif not add and (src.dtype, bucket.dtype) in _QUIET_CASTS:
-            np.copyto(bucket, src, casting="unsafe")
-        else:
-            with np.errstate(invalid="ignore", over="ignore"):   # see below
-                _into(bucket, src, add)
+        rounded = _write_flat(bucket, _source_array(grads[0]), add)
     else:
         rounded = add
         rows = bucket.reshape(layout.world_size, layout.row_numel)
@@ -286,47 +318,36 @@ def _host_write(lease: Lease, grads, layout: ReduceScatterLayout, add: bool) -> 
         canonicalize_nans(bucket)
 
 
+def _write_flat(bucket: np.ndarray, src: np.ndarray, add: bool) -> bool:
+    """Write (or add) flat ``src`` into flat ``bucket`` of the same length; True when the result
+    was rounded into a narrower dtype by NumPy (its NaNs still to canonicalize)."""
+    rounded = add or src.dtype != bucket.dtype
+    if not rounded:
+        np.copyto(bucket, src)
+    elif not add and compiled_cast(bucket, src):
+        rounded = False       # NaNs written canonical already
+    elif not add and (src.dtype, bucket.dtype) in _QUIET_CASTS:
+        np.copyto(bucket, src, casting="unsafe")
+    else:
+        # NaN and out-of-range values are cast as MindSpore casts them (NaN, inf): NumPy's
+        # warnings about them are noise here.
+        with np.errstate(invalid="ignore", over="ignore"):
+            _into(bucket, src, add)
+    return rounded
+
+
 # Casts that raise no floating-point flag for any input (ml_dtypes widens bfloat16 with integer
 # operations), so they need no np.errstate (~2 us, a tenth of a small pack). Narrowing casts
 # flag: float32 -> bfloat16 a signalling NaN (invalid), float32 -> float16 overflow.
 # tests/test_pack_casts.py packs every pattern of each pair with warnings as errors.
 _QUIET_CASTS = frozenset({(np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))})
 
-# Host arrays of pool allocations, by id() of the allocation: (weak reference to it, its data
-# pointer, the array). An allocation's memory never moves while a live lease holds it (the pool
-# frees only idle buckets, and never reuses a freed one), and taking a host view costs ~2-4 us,
-# the largest part of a small pack's fixed cost. The array does not keep the allocation alive:
-# the entry is dropped when the allocation dies, and rebuilt if its data pointer changed.
-_BUCKET_ARRAYS: dict = {}
-
-
-def _bucket_array(lease: Lease) -> np.ndarray:
-    """The lease's ``[0, numel)`` of its allocation's host memory, written in place."""
-    allocation = lease.allocation
-    key = id(allocation)
-    entry = _BUCKET_ARRAYS.get(key)
-    if entry is None or entry[0]() is not allocation or entry[1] != allocation.data_ptr():
-        array = host_alias(allocation, keep_alive=False) if is_whole_storage(allocation) else None
-        if array is None:
-            # The whole allocation's host view is its memory; a prefix view's asnumpy() is a copy.
-            return host_view(allocation)[:lease.numel]
-        entry = (weakref.ref(allocation, functools.partial(_forget_bucket, key)),
-                 allocation.data_ptr(), array)
-        _BUCKET_ARRAYS[key] = entry
-    return entry[2][:lease.numel]
-
-
-def _forget_bucket(key: int, ref) -> None:
-    entry = _BUCKET_ARRAYS.get(key)
-    if entry is not None and entry[0] is ref:
-        del _BUCKET_ARRAYS[key]
-
-
 def _source_array(grad: ms.Tensor) -> np.ndarray:
-    """A gradient's values to read: its memory when it is a contiguous CPU tensor (views that do
-    not span their storage included, which ``asnumpy()`` would copy), else ``host_view``'s copy."""
-    array = host_alias(grad)
-    return array if array is not None else host_view(grad)
+    """A gradient's values to read (flat): its memory when it is a contiguous CPU tensor (views
+    that do not span their storage included, which ``asnumpy()`` would copy), else
+    ``host_view``'s copy. The caller holds ``grad`` while it reads."""
+    array = host_alias(grad, keep_alive=False)
+    return array if array is not None else host_view(grad).reshape(-1)
 
 
 def _write_chunks(rows: np.ndarray, src: np.ndarray, slot: GradSlot, add: bool) -> None:

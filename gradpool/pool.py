@@ -39,7 +39,8 @@ import mindspore as ms
 from mindspore import mint
 
 from gradpool.device import SUPPORTED_DEVICES, device_memory_bytes, device_target
-from gradpool.dtypes import check_dtype, itemsize, nan_fill, writable_view
+from gradpool.dtypes import (check_dtype, host_alias, is_whole_storage,
+                             is_supported_singleton, itemsize, nan_fill, writable_view)
 from gradpool.errors import (ForeignLeaseError, InvalidArgumentError, InvalidFenceError,
                              LeaseStateError, PoolCapacityError, check_bool, check_int)
 from gradpool.layout import round_up
@@ -49,6 +50,7 @@ logger = logging.getLogger(__name__)
 _pool_ids = itertools.count(1)
 MAX_ALIGNMENT_BYTES = 2 ** 20    # chunk alignment beyond 1 MiB would be padding, not alignment
 _FREE, _FENCED, _LEASED = "free", "fenced", "leased"
+_CHECKED_REQUESTS = 4096     # distinct requests remembered by _checked_capacity
 
 
 class Fence(Protocol):
@@ -128,7 +130,7 @@ class PoolStats:
         return self.bytes_copied / self.copy_seconds / 1e9 if self.copy_seconds > 0 else 0.0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Bucket:
     """Pool-internal record of one allocation. Never handed out; leases refer to it."""
 
@@ -139,6 +141,10 @@ class _Bucket:
     fence: Optional[Fence] = None
     fenced_order: int = 0     # FIFO position among fenced buckets (waits go oldest first)
     lease: Optional["Lease"] = None
+    # (data pointer, the allocation's host memory as a NumPy array): CPU pools, built on first
+    # use by Lease.host_array. The array does not keep the tensor alive (this record does); it is
+    # cleared before the storage is released, so no array into freed memory outlives it.
+    host: Any = None
 
     @property
     def nbytes(self) -> int:
@@ -147,11 +153,14 @@ class _Bucket:
 
 def _release_storage(bucket: _Bucket) -> None:
     """The only place gradpool releases storage; it takes a pool record, never a caller tensor."""
+    bucket.host = None
     bucket.tensor.untyped_storage().resize_(0)
 
 
 class Lease:
     """A live claim on one bucket; ``.tensor`` is a flat view of exactly ``numel`` elements."""
+
+    __slots__ = ("_pool", "_bucket", "numel", "dtype", "_tensor", "_released", "__weakref__")
 
     def __init__(self, pool: "BucketPool", bucket: _Bucket, numel: int):
         self._pool = pool
@@ -183,6 +192,25 @@ class Lease:
         memory directly (``gradpool.pack``); only ``[0, numel)`` belongs to this lease."""
         self.tensor  # noqa: B018 - raises on a released lease
         return self._bucket.tensor
+
+    def host_array(self):
+        """``[0, numel)`` of the allocation's host memory as a NumPy array of the lease's dtype
+        (bfloat16 as ``ml_dtypes.bfloat16``): writes land in the bucket, and nothing is waited
+        for (drain the launch queue first if queued ops may write the bucket). None on a pool
+        whose buckets are not host memory (Ascend). The array is valid while the lease is live."""
+        bucket = self._bucket
+        if self._released:
+            self.tensor  # noqa: B018 - raises LeaseStateError
+        # MindSpore may give a tensor new memory (a fused all-gather's receive bucket was seen to
+        # move during a forward with prefetch), so the cached array is checked against the
+        # tensor's data pointer on every call and rebuilt when it moved.
+        pointer = bucket.tensor.data_ptr()
+        if bucket.host is None or bucket.host[0] != pointer:
+            if self._pool.device != "CPU" or not is_whole_storage(bucket.tensor):
+                return None
+            bucket.host = (pointer, host_alias(bucket.tensor, keep_alive=False))
+        array = bucket.host[1]
+        return array if self.numel == bucket.capacity else array[:self.numel]
 
     @property
     def is_whole_bucket(self) -> bool:
@@ -252,6 +280,7 @@ class BucketPool:
         self._adopted: list[_Bucket] = []     # what the current acquire allocated
         self._high_water = 0
         self._stats = PoolStats()       # counters only; sizes are derived from _buckets
+        self._checked: dict = {}        # (numel, id(dtype), cap) -> capacity, see _checked_capacity
         self._lock = threading.RLock()
         # MindSpore's PyNative dispatch is not thread-safe (two threads launching ops at once can
         # abort the process), so the pool's own tensor writes (poisoning, freeing) stay on the
@@ -279,7 +308,7 @@ class BucketPool:
         ``holder``: a list the lease is appended to as part of the acquire itself, so that a
         ``KeyboardInterrupt`` arriving as ``acquire`` returns cannot lose a live lease (what the
         reducer does; a plain ``lease = acquire(...)`` has that one-instruction window)."""
-        self._check_request(numel, dtype)
+        capacity = self._checked_capacity(numel, dtype)
         with self._lock:
             self._reap()
             bound = self.max_buckets_in_flight
@@ -289,8 +318,8 @@ class BucketPool:
             try:
                 bucket = self._take_free(dtype, numel)
                 if bucket is None:
-                    bucket = self._grow(numel, dtype)      # may wait for one in flight instead
-                reused = not any(b is bucket for b in self._adopted)
+                    bucket = self._grow(numel, dtype, capacity)   # may wait for one in flight
+                reused = bucket not in self._adopted       # identity: _Bucket has eq=False
                 lease = Lease(self, bucket, numel)
             except BaseException:
                 self._forget_adopted()
@@ -310,20 +339,21 @@ class BucketPool:
         if not isinstance(lease, Lease):
             raise ForeignLeaseError(
                 f"release() takes a Lease from this pool, got {type(lease).__name__} {lease!r}")
-        if lease.pool is not self:
+        if lease._pool is not self:
             raise ForeignLeaseError(
                 f"{lease!r} was issued by pool {lease.pool.pool_id}, not by this pool "
                 f"({self.pool_id}); release it through the pool that issued it")
-        fence = as_fence(fence)
+        if fence is not None:
+            fence = as_fence(fence)
         with self._lock:
-            if lease.released:
+            if lease._released:
                 raise LeaseStateError(f"{lease!r} was already released; a lease is released once")
             bucket = lease._bucket
             if bucket.lease is not lease:
                 lease._released = True      # its acquire was interrupted before it committed
                 return
             done = fence is None or fence_done(fence)
-            if done:
+            if done and self.poison_on_release:
                 self._poison(bucket)
             order = next(self._fence_order)
             # commit
@@ -386,6 +416,23 @@ class BucketPool:
                 f"a bucket of {numel} x {dtype} ({nbytes} bytes) exceeds "
                 f"max_cached_bytes={self.max_cached_bytes}; raise the cap or use smaller buckets")
 
+    def _checked_capacity(self, numel, dtype) -> int:
+        """The capacity of a bucket for ``numel`` x ``dtype`` after :meth:`_check_request`;
+        remembered for requests of a supported dtype singleton (the reducer makes the same few
+        requests every step, and the checks are a fifth of an acquire's cost)."""
+        if type(numel) is not int or not is_supported_singleton(dtype):   # True hashes as 1
+            self._check_request(numel, dtype)
+            return self._capacity_for(numel, dtype)
+        key = (numel, id(dtype), self.max_cached_bytes)
+        capacity = self._checked.get(key)
+        if capacity is None:
+            self._check_request(numel, dtype)
+            capacity = self._capacity_for(numel, dtype)
+            if len(self._checked) >= _CHECKED_REQUESTS:
+                self._checked.clear()
+            self._checked[key] = capacity
+        return capacity
+
     def _check_cap(self, new_bytes: int, what: str) -> None:
         cap = self.max_cached_bytes
         reserved = sum(b.nbytes for b in self._buckets)
@@ -432,11 +479,16 @@ class BucketPool:
             self._stats.new_allocations -= len(fresh)
 
     def _take_free(self, dtype, numel: int) -> Optional[_Bucket]:
-        fits = [b for b in self._in(_FREE, dtype) if b.capacity >= numel]
-        return min(fits, key=lambda b: b.capacity) if fits else None
+        """The smallest free bucket of ``dtype`` that holds ``numel`` (the first of equals)."""
+        best = None
+        for b in self._buckets:
+            if b.state == _FREE and b.capacity >= numel \
+                    and (best is None or b.capacity < best.capacity) \
+                    and (b.dtype is dtype or b.dtype == dtype):
+                best = b
+        return best
 
-    def _grow(self, numel: int, dtype) -> _Bucket:
-        capacity = self._capacity_for(numel, dtype)
+    def _grow(self, numel: int, dtype, capacity: int) -> _Bucket:
         nbytes = capacity * itemsize(dtype)
         what = f"acquire of {numel * itemsize(dtype)} bytes (bucket {nbytes} bytes)"
         cap = self.max_cached_bytes
@@ -487,8 +539,8 @@ class BucketPool:
     def _reap(self) -> None:
         if threading.get_ident() != self._owner:
             return          # recycled by the owner thread (its next acquire, stats or wait)
-        for bucket in self._in(_FENCED):
-            if fence_done(bucket.fence):
+        for bucket in self._buckets:        # no list built: this runs on every acquire
+            if bucket.state == _FENCED and fence_done(bucket.fence):
                 self._recycle(bucket)
 
     def _recycle(self, bucket: _Bucket) -> None:

@@ -187,11 +187,11 @@ def test_host_false_never_takes_the_numpy_path(call, monkeypatch):
     import mindspore as ms
     import numpy as np
     from gradpool import pack as packing
-    from gradpool.pool import BucketPool
+    from gradpool.pool import BucketPool, Lease
     from npref import normal, np_pack, values
     # The host path's entry points: pack/accumulate write through _host_write, unpack_gathered
-    # reads the allocation through host_view.
-    hook = "host_view" if call == "unpack_gathered" else "_host_write"
+    # reads the bucket's host memory (Lease.host_array).
+    owner, hook = (Lease, "host_array") if call == "unpack_gathered" else (packing, "_host_write")
     layout = ReduceScatterLayout.build([(4, 3), (5,)], 2, 1)
     rng = np.random.default_rng(3)
     raw = [normal(rng, (4, 3)), normal(rng, (5,))]
@@ -202,8 +202,8 @@ def test_host_false_never_takes_the_numpy_path(call, monkeypatch):
         if call != "pack":
             packing.pack(lease, grads, layout, host=False)
         calls = []
-        real = getattr(packing, hook)
-        monkeypatch.setattr(packing, hook, lambda *a, **k: calls.append(a) or real(*a, **k))
+        real = getattr(owner, hook)
+        monkeypatch.setattr(owner, hook, lambda *a, **k: calls.append(a) or real(*a, **k))
         if call == "unpack_gathered":
             out = packing.unpack_gathered(lease, layout, host=host)
             for tensor, r in zip(out, raw):
@@ -536,10 +536,10 @@ def test_cpu_flat_view_of_a_whole_storage_tensor_queues_no_view_op(monkeypatch):
 
 
 
-def test_host_array_cache_neither_keeps_buckets_alive_nor_outlives_them():
-    """The host path caches each bucket's host array; a dropped pool's bucket must still be
-    freed (the cache holds it weakly) and its cache entry go with it (no entry for a dead
-    allocation, whose memory the array would point into)."""
+def test_host_array_neither_keeps_buckets_alive_nor_outlives_their_storage():
+    """The pool keeps each bucket's host array on the bucket's record; a dropped pool's bucket
+    must still be freed (the array does not hold the tensor), and a trimmed bucket's array must
+    be gone before its storage is (no array into freed memory)."""
     import gc
     import weakref
     import mindspore as ms
@@ -553,12 +553,36 @@ def test_host_array_cache_neither_keeps_buckets_alive_nor_outlives_them():
     lease = pool.acquire(layout.total_numel, ms.float32)
     packing.pack(lease, [ms.Tensor(r) for r in raw], layout, host=True)
     np.testing.assert_array_equal(values(lease.tensor), np_pack(raw, layout, "float32"))
+    record = pool._buckets[0]
+    assert record.host is not None and record.host[1].ctypes.data == lease.allocation.data_ptr()
+    lease.release()
+    assert pool.trim() > 0
+    assert record.host is None, "a trimmed bucket kept its host array"
+    lease = pool.acquire(layout.total_numel, ms.float32)
+    packing.pack(lease, [ms.Tensor(r) for r in raw], layout, host=True)
     allocation = weakref.ref(lease.allocation)
     lease.release()
-    del lease, pool
+    del lease, pool, record
     gc.collect()
-    assert allocation() is None, "the cache kept a dropped pool's bucket alive"
-    assert all(entry[0]() is not None for entry in packing._BUCKET_ARRAYS.values())
+    assert allocation() is None, "the host array kept a dropped pool's bucket alive"
+
+
+def test_host_array_refuses_a_released_lease_and_a_device_pool():
+    import mindspore as ms
+    from gradpool.errors import LeaseStateError
+    from gradpool.pool import BucketPool
+    pool = BucketPool(device="CPU", alignment_bytes=4)
+    lease = pool.acquire(6, ms.float32)
+    array = lease.host_array()
+    assert array.shape == (6,) and array.ctypes.data == lease.allocation.data_ptr()
+    array[:] = 3.0
+    assert (lease.tensor.asnumpy() == 3.0).all()      # writes land in the bucket
+    lease.release()
+    with pytest.raises(LeaseStateError, match="released"):
+        lease.host_array()
+    assert BucketPool(device="Ascend", alignment_bytes=4).acquire(6, ms.float32).host_array() \
+        is None
+
 
 # -- reducer: a second rank simulated in-process ---------------------------------------------------
 class _PeerScaled(Communicator):
@@ -1182,3 +1206,46 @@ def test_an_allocation_the_device_refuses_is_a_capacity_error_naming_the_fix(mon
                               "reduce bucket_cap_mib or free memory")
     stats = pool.stats()
     assert (stats.new_allocations, stats.bytes_reserved, stats.live_leases) == (0, 0, 0)
+
+
+def test_an_accepted_request_does_not_let_a_bad_one_through():
+    """acquire remembers the requests it checked; a bool equal to a remembered numel (True == 1),
+    an equal-but-rejected dtype and a lowered cap must still be refused."""
+    import mindspore as ms
+    from gradpool.errors import ArgumentTypeError, PoolCapacityError, UnsupportedDtypeError
+    from gradpool.pool import BucketPool
+    pool = BucketPool(device="CPU", alignment_bytes=4, max_cached_bytes=4096)
+    pool.acquire(1, ms.float32).release()
+    pool.acquire(1024, ms.float32).release()
+    with pytest.raises(ArgumentTypeError, match="True"):
+        pool.acquire(True, ms.float32)
+    with pytest.raises(UnsupportedDtypeError, match="Int32"):
+        pool.acquire(1, ms.int32)
+    pool.max_cached_bytes = 1024
+    with pytest.raises(PoolCapacityError, match="max_cached_bytes=1024"):
+        pool.acquire(1024, ms.float32)
+
+
+def test_host_array_follows_a_bucket_whose_memory_moved():
+    """MindSpore may give a tensor new memory; the bucket's cached host array must then be
+    rebuilt over the new memory, never written through the old pointer."""
+    import mindspore as ms
+    import numpy as np
+    from gradpool.pool import BucketPool
+    pool = BucketPool(device="CPU", alignment_bytes=4)
+    lease = pool.acquire(8, ms.float32)
+    old = lease.host_array()
+    record = pool._buckets[0]
+    # Move the storage the way a regrow does: free it, then grow it again at a new address.
+    record.tensor.untyped_storage().resize_(0)
+    keep = [ms.mint.zeros(8, dtype=ms.float32) for _ in range(4)]   # take the freed block
+    for tensor in keep:
+        tensor.untyped_storage().data_ptr()
+    record.tensor.untyped_storage().resize_(8 * 4)
+    if record.tensor.data_ptr() == old.ctypes.data:
+        pytest.skip("the regrown storage landed at the same address")
+    new = lease.host_array()
+    assert new.ctypes.data == record.tensor.data_ptr()
+    new[:] = 5.0
+    assert (lease.tensor.asnumpy() == 5.0).all()
+    del keep

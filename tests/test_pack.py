@@ -71,6 +71,11 @@ def test_pack_reads_back_as_numpy_pack(grad_dtype, bucket_dtype, shapes, world):
                                     (ms.float32, ms.float16)])
 def test_each_path_is_taken_when_selected(copy_path, dtypes, monkeypatch):
     calls = []
+    # The host path's two entries: the single-gradient one (writes, so the general one is not
+    # reached) and the general writer.
+    one = packing._put_one_on_host
+    monkeypatch.setattr(packing, "_put_one_on_host",
+                        lambda *a, **k: calls.append(a) or one(*a, **k))
     monkeypatch.setattr(packing, "_host_write", lambda *a, **k: calls.append(a))
     grad_dtype, bucket_dtype = dtypes
     layout = ReduceScatterLayout.build([(256,)], 1)
