@@ -785,12 +785,14 @@ def test_leases_left_by_a_failed_launch_wait_for_the_collectives_in_flight():
 # -- dtypes: the compiled float32 -> bfloat16 cast, with a stand-in kernel -------------------------
 def _reference_kernel(calls):
     """Stands in for the numba kernel, so the call contract is checked apart from numba: called
-    with (1-D uint32 words of float32, 1-D uint16 out), it writes MindSpore's result (round to
-    nearest even, every NaN 0x7FC0), computed with ml_dtypes."""
+    with (1-D uint32 words of float32, 1-D uint16 out, the streaming threshold in bytes), it
+    writes MindSpore's result (round to nearest even, every NaN 0x7FC0), computed with ml_dtypes."""
     import ml_dtypes
     import numpy as np
 
-    def kernel(words, out):
+    def kernel(words, out, stream_from_bytes):
+        from gradpool.dtypes import STREAM_FROM_BYTES
+        assert stream_from_bytes == STREAM_FROM_BYTES
         assert (words.dtype, out.dtype, words.ndim, out.ndim) == (np.uint32, np.uint16, 1, 1)
         assert words.size == out.size
         calls.append(words.size)

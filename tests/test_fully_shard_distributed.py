@@ -17,6 +17,7 @@ pytestmark = pytest.mark.distributed
 
 def test_every_rank_ran_every_case_at_world_size_2(fsdp_results):
     fsdp_results.verify_every_rank_ran(SUITE.names, NPROC)
+    fsdp_results.verify_launch_mode(blocking=True)
 
 
 @pytest.mark.parametrize("name", SUITE.names)

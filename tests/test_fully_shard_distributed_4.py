@@ -16,6 +16,7 @@ pytestmark = pytest.mark.distributed
 
 def test_every_rank_ran_every_case_at_world_size_4(fsdp4_results):
     fsdp4_results.verify_every_rank_ran(SUITE.names, NPROC)
+    fsdp4_results.verify_launch_mode(blocking=True)
 
 
 @pytest.mark.parametrize("name", SUITE.names)

@@ -13,6 +13,11 @@ SUITE, hsdp_results = harness.suite_fixture("hsdp_cases.py", "hsdp_results", npr
 pytestmark = pytest.mark.distributed
 
 
+def test_every_rank_ran_every_case_blocking(hsdp_results):
+    hsdp_results.verify_every_rank_ran(SUITE.names, NPROC)
+    hsdp_results.verify_launch_mode(blocking=True)
+
+
 @pytest.mark.parametrize("name", SUITE.names)
 def test_case(hsdp_results, name):
     hsdp_results.verify(name)

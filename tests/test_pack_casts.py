@@ -177,7 +177,17 @@ def test_no_floating_point_warning_for_any_pattern(grad_dtype, bucket_dtype, wor
     lease.release()
 
 
-def test_compiled_float32_to_bfloat16_cast_is_round_to_nearest_even():
+@pytest.fixture(params=["cached", "streaming"])
+def store(request, monkeypatch):
+    """The compiled cast's two store kinds: below ``STREAM_FROM_BYTES`` ordinary stores, from it
+    on non-temporal vector stores (set to 0 here, so small outputs take that path too)."""
+    if request.param == "streaming":
+        from gradpool import dtypes
+        monkeypatch.setattr(dtypes, "STREAM_FROM_BYTES", 0)
+    return request.param
+
+
+def test_compiled_float32_to_bfloat16_cast_is_round_to_nearest_even(store):
     """The compiled cast (numba) writes the integer reference's bits for every float32 rounding
     case, NaNs as 0x7FC0."""
     import ml_dtypes
@@ -188,20 +198,37 @@ def test_compiled_float32_to_bfloat16_cast_is_round_to_nearest_even():
     np.testing.assert_array_equal(out.view(np.uint16), rne_bfloat16(words))
 
 
-@pytest.mark.parametrize("length", [1, 2, 3, 4, 17, 4096 + 3])
-@pytest.mark.parametrize("offset", [0, 1], ids=["4-byte-aligned", "2-byte-aligned"])
-def test_compiled_cast_of_any_length_at_any_alignment(length, offset):
-    """Any length, also on an output that starts between two 32-bit words: the bits of the
+@pytest.mark.parametrize("length", [1, 2, 3, 4, 15, 16, 17, 33, 16 * 6 + 5, 16 * 7 + 3, 4096 + 3])
+@pytest.mark.parametrize("offset", [0, 1, 7, 15], ids=lambda o: f"{2 * o}-bytes-past-16")
+def test_compiled_cast_of_any_length_at_any_alignment(length, offset, store):
+    """Any length, also on an output that starts between two 32-bit words or anywhere in a
+    32-byte line (the streaming stores start at the first line boundary): the bits of the
     integer reference, and nothing written outside the output."""
     import ml_dtypes
     from gradpool.dtypes import compiled_cast
     words = float32_patterns()[:length] if length <= 4096 else float32_patterns()[-length:]
-    backing = np.full(length + 2, 0x1234, np.uint16)
-    out = backing[offset:offset + length].view(ml_dtypes.bfloat16)
-    assert out.ctypes.data % 4 == 2 * offset          # NumPy aligns its allocations to 16
+    backing = np.full(length + 32, 0x1234, np.uint16)
+    start = offset + (-backing.ctypes.data % 32) // 2     # offset elements past a 32-byte line
+    out = backing[start:start + length].view(ml_dtypes.bfloat16)
+    assert out.ctypes.data % 32 == 2 * offset
     assert compiled_cast(out, words.view(np.float32))
     np.testing.assert_array_equal(out.view(np.uint16), rne_bfloat16(words))
-    assert (np.delete(backing, np.arange(offset, offset + length)) == 0x1234).all()
+    assert (np.delete(backing, np.arange(start, start + length)) == 0x1234).all()
+
+
+def test_compiled_cast_streams_into_an_odd_address_without_faulting(monkeypatch):
+    """A uint16 view at an odd address (a byte buffer's) cannot be aligned for vector stores:
+    the ordinary loop writes it."""
+    import ml_dtypes
+    from gradpool import dtypes
+    monkeypatch.setattr(dtypes, "STREAM_FROM_BYTES", 0)
+    words = float32_patterns()[:1000]
+    raw = np.zeros(2 * words.size + 64, np.uint8)
+    start = 1 + (-raw.ctypes.data % 32)
+    out = raw[start:start + 2 * words.size].view(ml_dtypes.bfloat16)
+    assert out.ctypes.data % 2 == 1
+    assert dtypes.compiled_cast(out, words.view(np.float32))
+    np.testing.assert_array_equal(out.view(np.uint16), rne_bfloat16(words))
 
 
 def test_compiled_cast_takes_only_contiguous_float32_to_bfloat16():

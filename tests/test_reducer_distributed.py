@@ -1,7 +1,8 @@
 """GradReducer on 2 real CPU ranks: ONE msrun launch runs every case in
 tests/distributed/reducer_cases.py (reduce-scatter and all-reduce against NumPy for every op,
 reduce dtype, gradient dtype and bucketing; accumulation; zero-copy; fences under delayed
-completion; wait() failures), and each case is a test here."""
+completion; wait() failures; two fully_shard cases under the asynchronous launch), and each
+case is a test here."""
 from __future__ import annotations
 
 import pytest
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.distributed
 
 def test_every_rank_ran_every_case_at_world_size_2(reducer_results):
     reducer_results.verify_every_rank_ran(SUITE.names, NPROC)
+    reducer_results.verify_launch_mode(blocking=False)   # MindSpore's default: async queues
 
 
 @pytest.mark.parametrize("name", SUITE.names)

@@ -49,7 +49,7 @@ from harness import Context, Suite, allclose, equal, late_communicators
 from hyper_parallel.core.dtensor.placement_types import Shard
 from npref import np_chunk, reduce_over_ranks, round_to, add_rounded
 
-suite = Suite("fully_shard")
+suite = Suite("fully_shard", blocking_launch=True)
 STEPS = 3
 FIELD = ["fully_shard.reduce_dtype=float32", "fully_shard.apply_grad_on_fp32_main_grad=true",
          "fully_shard.comm_fusion=false", "gradpool.poison_on_release=true",

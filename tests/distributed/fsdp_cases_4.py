@@ -17,7 +17,7 @@ from harness import Suite
 
 CASES = ("field_configuration", "reduce_in_bfloat16")
 
-suite = Suite("fully_shard_4")
+suite = Suite("fully_shard_4", blocking_launch=True)
 for _name in CASES:
     suite.add(_name, fsdp_cases.suite.cases[_name])
 

@@ -113,8 +113,15 @@ def raises(exc_type: type, fn: Callable[[], Any], *message_parts: str) -> dict:
 
 # -- running (rank side) -------------------------------------------------------------------------
 class Suite:
-    def __init__(self, name: str):
+    def __init__(self, name: str, blocking_launch: bool = False):
+        """``blocking_launch``: run every rank with blocking op launch, as ``gradpool train``
+        runs CPU ranks. Under MindSpore's default asynchronous launch the queue threads of every
+        rank compete for the 2-core machine's cores: a tiny-model training case took 15-75 s
+        there against 2-23 s blocking (measured per case), so the training suites run blocking
+        and the reducer suite, with fully_shard's fused and prefetching cases added to it,
+        keeps the asynchronous queues covered on real ranks."""
         self.name = name
+        self.blocking_launch = blocking_launch
         self.cases: dict[str, Callable[[Context], dict]] = {}
 
     @property
@@ -140,9 +147,13 @@ class Suite:
         from gradpool.comm import communicator_for, init_distributed
         # First thing: in msrun's scheduler process this call serves the cluster and never returns.
         rank, world = init_distributed()
+        from gradpool.device import block_launches, launches_blocking
+        if self.blocking_launch:
+            block_launches()
         ctx = Context(rank=rank, world_size=world, comm=communicator_for())
         reporter = rank_report.reporter_for(out_dir, rank, world)
         reporter.publish("suite", self.name)
+        reporter.publish("blocking_launch", launches_blocking())   # as MindSpore reports it
         reporter.publish("cases", {})
         for name, fn in self.cases.items():
             if only and name not in only:
@@ -190,6 +201,11 @@ class SuiteResults:
             assert (report["rank"], report["world_size"]) == (rank, nproc)
             assert list(report["cases"]) == list(names)
         assert len({report["pid"] for report in self.reports}) == nproc
+
+    def verify_launch_mode(self, blocking: bool) -> None:
+        """Every rank ran in the op launch mode its suite asks for (read back from MindSpore)."""
+        modes = [report["results"].get("blocking_launch") for report in self.reports]
+        assert modes == [blocking] * len(self.reports), modes
 
     def seconds(self, name: str) -> list[float]:
         return [report["cases"][name]["seconds"] for report in self.reports]

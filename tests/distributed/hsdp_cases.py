@@ -29,7 +29,7 @@ from harness import Context, Suite, allclose, equal, late_communicators
 from hyper_parallel import clip_grad_norm_, fully_shard, init_device_mesh
 from hyper_parallel.core.dtensor.placement_types import Shard
 
-suite = Suite("hsdp")
+suite = Suite("hsdp", blocking_launch=True)
 STEPS = 2
 HSDP = ["fully_shard.reduce_dtype=float32", "fully_shard.apply_grad_on_fp32_main_grad=true",
         "fully_shard.mesh_shape=[2, 2]", "fully_shard.mesh_dim_names=[dp_replicate, fsdp]",

@@ -673,5 +673,14 @@ suite.add("fail_wait_reduce_scatter_custom_exception",
 suite.add("fail_wait_all_reduce_comm_error", _fail_wait(True, all_reduce=True))
 
 
+# fully_shard under the asynchronous launch (its own suite runs blocking, see harness.Suite):
+# the fused all-gather and reduce-scatter, and forward prefetch, with ops still queued while
+# the pool's buckets are written, recycled and gathered into.
+import fsdp_cases  # noqa: E402 - the cases are defined there
+
+for _name in ("comm_fusion_on", "forward_prefetch_launches_the_next_units_gathers_first"):
+    suite.add(f"fully_shard_async_{_name}", fsdp_cases.suite.cases[_name])
+
+
 if __name__ == "__main__":
     suite.main()
