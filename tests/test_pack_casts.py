@@ -177,7 +177,7 @@ def test_no_floating_point_warning_for_any_pattern(grad_dtype, bucket_dtype, wor
     lease.release()
 
 
-@pytest.fixture(params=["cached", "streaming"])
+@pytest.fixture(params=["ordinary", "streaming"])
 def store(request, monkeypatch):
     """The compiled cast's two store kinds: below ``STREAM_FROM_BYTES`` ordinary stores, from it
     on non-temporal vector stores (set to 0 here, so small outputs take that path too)."""
@@ -199,7 +199,7 @@ def test_compiled_float32_to_bfloat16_cast_is_round_to_nearest_even(store):
 
 
 @pytest.mark.parametrize("length", [1, 2, 3, 4, 15, 16, 17, 33, 16 * 6 + 5, 16 * 7 + 3, 4096 + 3])
-@pytest.mark.parametrize("offset", [0, 1, 7, 15], ids=lambda o: f"{2 * o}-bytes-past-16")
+@pytest.mark.parametrize("offset", [0, 1, 7, 15], ids=lambda o: f"{2 * o}-bytes-into-a-32-byte-line")
 def test_compiled_cast_of_any_length_at_any_alignment(length, offset, store):
     """Any length, also on an output that starts between two 32-bit words or anywhere in a
     32-byte line (the streaming stores start at the first line boundary): the bits of the
@@ -216,9 +216,9 @@ def test_compiled_cast_of_any_length_at_any_alignment(length, offset, store):
     assert (np.delete(backing, np.arange(start, start + length)) == 0x1234).all()
 
 
-def test_compiled_cast_streams_into_an_odd_address_without_faulting(monkeypatch):
+def test_compiled_cast_at_an_odd_address_takes_the_ordinary_loop(monkeypatch):
     """A uint16 view at an odd address (a byte buffer's) cannot be aligned for vector stores:
-    the ordinary loop writes it."""
+    the ordinary loop writes it (a vector store there would fault)."""
     import ml_dtypes
     from gradpool import dtypes
     monkeypatch.setattr(dtypes, "STREAM_FROM_BYTES", 0)
