@@ -198,7 +198,8 @@ def test_compiled_float32_to_bfloat16_cast_is_round_to_nearest_even(store):
     np.testing.assert_array_equal(out.view(np.uint16), rne_bfloat16(words))
 
 
-@pytest.mark.parametrize("length", [1, 2, 3, 4, 15, 16, 17, 33, 16 * 6 + 5, 16 * 7 + 3, 4096 + 3])
+@pytest.mark.parametrize("length",
+                         [1, 2, 3, 4, 15, 16, 17, 33, 16 * 6 + 5, 16 * 7 + 3, 4096 + 3])
 @pytest.mark.parametrize("offset", [0, 1, 7, 15], ids=lambda o: f"{2 * o}-bytes-into-a-32-byte-line")
 def test_compiled_cast_of_any_length_at_any_alignment(length, offset, store):
     """Any length, also on an output that starts between two 32-bit words or anywhere in a

@@ -36,6 +36,7 @@ msrun that is the launcher's report of the rank (``launch_suite`` puts it in OUT
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 import traceback
@@ -114,7 +115,7 @@ def raises(exc_type: type, fn: Callable[[], Any], *message_parts: str) -> dict:
 # -- running (rank side) -------------------------------------------------------------------------
 class Suite:
     def __init__(self, name: str, blocking_launch: bool = False):
-        """``blocking_launch``: run every rank with blocking op launch, as ``gradpool train``
+        """``blocking_launch``: run every msrun rank with blocking op launch, as ``gradpool train``
         runs CPU ranks. Under MindSpore's default asynchronous launch the queue threads of every
         rank compete for the 2-core machine's cores: a tiny-model training case took 15-75 s
         there against 2-23 s blocking (measured per case), so the training suites run blocking
@@ -148,7 +149,9 @@ class Suite:
         # First thing: in msrun's scheduler process this call serves the cluster and never returns.
         rank, world = init_distributed()
         from gradpool.device import block_launches, launches_blocking
-        if self.blocking_launch:
+        # Only on an msrun rank: a world-1 run in-process is pytest's own process, whose launch
+        # mode must stay MindSpore's default for every later test (tests/conftest.py).
+        if self.blocking_launch and os.environ.get("MS_ROLE") == "MS_WORKER":
             block_launches()
         ctx = Context(rank=rank, world_size=world, comm=communicator_for())
         reporter = rank_report.reporter_for(out_dir, rank, world)
