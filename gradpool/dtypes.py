@@ -149,7 +149,7 @@ def host_alias(tensor: ms.Tensor, keep_alive: bool = True) -> Optional[np.ndarra
     It waits for nothing: drain the launch queue first (``gradpool.device.synchronize``) if
     queued ops may still write the tensor. The array keeps ``tensor`` alive, as ``asnumpy()``'s
     does; with ``keep_alive=False`` it does not, and is valid only while the tensor's storage is
-    (for a cache that holds the tensor by weak reference, or a caller that holds the tensor).
+    (for the pool's bucket record, which holds the tensor itself, or a caller that holds it).
 
     Built with ``np.frombuffer`` over a ctypes array at the data pointer: ~1 us, where an
     ``__array_interface__`` object costs ~2.5 us and ``asnumpy()`` ~4.7 us (a small pack's fixed

@@ -678,10 +678,10 @@ suite.add("fail_wait_all_reduce_comm_error", _fail_wait(True, all_reduce=True))
 # the pool's buckets are written, recycled and gathered into.
 import fsdp_cases  # noqa: E402 - the cases are defined there
 
-FULLY_SHARD_ASYNC = tuple(f"fully_shard_async_{name}" for name in
-                          ("comm_fusion_on", "forward_prefetch_launches_the_next_units_gathers_first"))
-for _name in FULLY_SHARD_ASYNC:
-    suite.add(_name, fsdp_cases.suite.cases[_name.removeprefix("fully_shard_async_")])
+FULLY_SHARD_ASYNC = {f"fully_shard_async_{name}": fsdp_cases.suite.cases[name] for name in
+                     ("comm_fusion_on", "forward_prefetch_launches_the_next_units_gathers_first")}
+for _name, _case in FULLY_SHARD_ASYNC.items():
+    suite.add(_name, _case)
 
 
 if __name__ == "__main__":
