@@ -16,16 +16,15 @@ NumPy can write and cast into a bucket in place for every supported dtype (:data
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
-import platform
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import ml_dtypes
 import mindspore as ms
 import numpy as np
 from mindspore.graph.api import _pynative_executor
 
+from gradpool import kernels
 from gradpool.errors import UnsupportedDtypeError
 
 logger = logging.getLogger(__name__)
@@ -141,6 +140,48 @@ def host_view(tensor: ms.Tensor) -> np.ndarray:
     return array
 
 
+def host_address(tensor: ms.Tensor) -> Optional[int]:
+    """Where a contiguous CPU ``tensor``'s memory starts (its data pointer); None for a tensor
+    that is not contiguous, not on the CPU, empty or lazily initialized (no memory yet). Waits
+    for nothing, like :func:`host_alias`, whose array starts there."""
+    # init is read directly, as the deprecated has_init property does
+    if tensor.init is not None or tensor.device != "CPU" or not tensor.is_contiguous() \
+            or tensor.numel() == 0:
+        return None
+    return tensor.data_ptr()
+
+
+def host_writer(src_dtype, dst_dtype) -> Optional[HostWriter]:
+    """The compiled write from ``src_dtype`` into ``dst_dtype`` memory between host addresses
+    (:func:`gradpool.kernels.address_writer`: bits as MindSpore's cast writes them) with the two
+    element sizes; None unless both are supported dtype objects themselves and the pair has one.
+    Looked up once per pair (a small pack asks on every call)."""
+    key = (id(src_dtype), id(dst_dtype))
+    found = _WRITERS.get(key, _UNKNOWN)
+    if found is not _UNKNOWN:
+        return found
+    src, dst = _NAME_OF.get(key[0]), _NAME_OF.get(key[1])
+    if src is None or dst is None:
+        return None          # not cached: only the singletons' ids are unique for life
+    write = kernels.address_writer(src, dst)
+    found = None if write is None else HostWriter(write, _SIZE_OF[key[0]], _SIZE_OF[key[1]])
+    _WRITERS[key] = found
+    return found
+
+
+class HostWriter(NamedTuple):
+    """A compiled ``write(dst_address, src_address, numel)`` and its dtypes' element sizes."""
+
+    write: Callable[[int, int, int], None]
+    src_itemsize: int
+    dst_itemsize: int
+
+
+_WRITERS: dict = {}
+_UNKNOWN = object()
+_NAME_OF = {id(getattr(ms, name)): name for name in DTYPE_NAMES}
+
+
 def host_alias(tensor: ms.Tensor, keep_alive: bool = True) -> Optional[np.ndarray]:
     """The memory of a contiguous CPU ``tensor`` of a supported dtype as a flat NumPy array of
     its ``numel()`` elements (bfloat16 as ``ml_dtypes.bfloat16``), from its data pointer; None
@@ -161,14 +202,10 @@ def host_alias(tensor: ms.Tensor, keep_alive: bool = True) -> Optional[np.ndarra
         if dtype is None:
             return None
         size = _SIZE_OF[id(dtype)]
-    # init: a lazily initialized tensor (no memory yet); read directly, as the deprecated
-    # has_init property does
-    if tensor.init is not None or tensor.device != "CPU" or not tensor.is_contiguous():
+    address = host_address(tensor)
+    if address is None:
         return None
-    numel = tensor.numel()
-    if numel == 0:
-        return None
-    memory = (ctypes.c_char * (numel * size)).from_address(tensor.data_ptr())
+    memory = (ctypes.c_char * (tensor.numel() * size)).from_address(address)
     if keep_alive:
         memory.tensor = tensor
     return np.frombuffer(memory, _HOST_DTYPE[id(dtype)])
@@ -189,131 +226,22 @@ def compiled_cast(dst: np.ndarray, src: np.ndarray) -> bool:
 
     ml_dtypes casts float32 -> bfloat16 one element at a time (~1.9 G elements/s even in cache:
     0.1-0.25 of a memcpy of the bytes written); the compiled integer loop is vectorized and bound
-    by memory traffic, so from ``STREAM_FROM_BYTES`` written on it streams its stores past the
+    by memory traffic, so from ``kernels.STREAM_FROM_BYTES`` written on it streams its stores past the
     cache (0.57-0.67 of that memcpy at 16-256 MiB on the 2-core AMD CPU machine). numba is
     a dependency; where it cannot be imported (a platform without its wheels) the ml_dtypes cast
     is used."""
     if src.dtype != _F32 or dst.dtype != _BF16 or src.shape != dst.shape \
             or not (src.flags.c_contiguous and dst.flags.c_contiguous):
         return False
-    kernel = _bfloat16_kernel()
+    kernel = kernels.bfloat16_kernel()
     if kernel is None:
         return False
     kernel(src.reshape(-1).view(np.uint32), dst.reshape(-1).view(np.uint16),
-           STREAM_FROM_BYTES)
+           kernels.STREAM_FROM_BYTES)
     return True
 
 
 _F32, _BF16 = np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
-
-
-# From this many bytes written on, the compiled cast stores with non-temporal (streaming)
-# stores: a store that misses the cache otherwise reads its line first (read-for-ownership), so
-# an ordinary cast moves 4 + 2 + 2 bytes per element where a streaming one moves 4 + 2. Below
-# it the bucket fits the caches the collective reads it from next. glibc's memcpy, the
-# benchmark reference, switches to such stores itself for large copies.
-STREAM_FROM_BYTES = 8 << 20
-_STREAM_LANES = 16          # elements per vector store: 32 bytes, one AVX2 register
-
-
-@functools.lru_cache(maxsize=1)
-def _bfloat16_kernel():  # pragma: no mutate block
-    """The compiled float32-bits -> bfloat16-bits loop ``kernel(words, out, stream_from_bytes)``
-    (None if numba cannot be imported); compiled once per process on first use (~1 s)."""
-    try:
-        import numba
-        from llvmlite import ir
-        from numba.core import types
-        from numba.extending import intrinsic
-    except ImportError as exc:
-        logger.warning("numba cannot be imported (%s): float32 -> bfloat16 host casts fall back "
-                       "to ml-dtypes, same bits, several times slower; "
-                       "pip install 'numba>=0.60,<0.69'", exc)
-        return None
-
-    lanes = _STREAM_LANES
-    x86 = platform.machine().lower() in ("x86_64", "amd64")
-
-    @intrinsic
-    def stream_rounded(typingctx, words, out, start):
-        """out[start:start + lanes] = the rounded words, as one vector non-temporal store
-        (out + start must be 32-byte aligned). The same integer rounding as round_one, written
-        as vector IR because numba has no non-temporal store and LLVM vectorizes no loop that
-        has one."""
-        def codegen(context, builder, signature, args):
-            words_ty, out_ty, _ = signature.args
-            src = context.make_array(words_ty)(context, builder, args[0]).data
-            dst = context.make_array(out_ty)(context, builder, args[1]).data
-            word_vec = ir.VectorType(ir.IntType(32), lanes)
-
-            def splat(value):
-                return ir.Constant(word_vec, [value] * lanes)
-            x = builder.load(builder.bitcast(builder.gep(src, [args[2]]), word_vec.as_pointer()),
-                             align=4)
-            is_nan = builder.icmp_unsigned(">", builder.and_(x, splat(0x7FFFFFFF)),
-                                           splat(0x7F800000))
-            odd = builder.and_(builder.lshr(x, splat(16)), splat(1))
-            rounded = builder.lshr(builder.add(builder.add(x, splat(0x7FFF)), odd), splat(16))
-            bits = builder.trunc(builder.select(is_nan, splat(0x7FC0), rounded),
-                                 ir.VectorType(ir.IntType(16), lanes))
-            target = builder.bitcast(builder.gep(dst, [args[2]]), bits.type.as_pointer())
-            store = builder.store(bits, target, align=2 * lanes)
-            store.set_metadata("nontemporal",
-                               builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
-            return context.get_dummy_value()
-        return types.void(words, out, start), codegen
-
-    @intrinsic
-    def store_fence(typingctx):
-        """Order the streaming stores before every later memory access (they bypass the normal
-        store ordering; the collective that reads the bucket may run on another thread)."""
-        def codegen(context, builder, signature, args):
-            if x86:
-                # LLVM lowers a seq_cst fence on x86 to a locked instruction, which vendors do
-                # not all document as ordering streaming stores; sfence is what does.
-                sfence = builder.module.declare_intrinsic(
-                    "llvm.x86.sse.sfence", fnty=ir.FunctionType(ir.VoidType(), []))
-                builder.call(sfence, [])
-            else:
-                builder.fence("seq_cst")
-            return context.get_dummy_value()
-        return types.void(), codegen
-
-    @numba.njit(nogil=True, cache=False, inline="always")
-    def round_one(word):
-        if (word & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-            return np.uint16(0x7FC0)
-        # Round to nearest even on the 16 bits dropped; a carry into the exponent is correct
-        # (up to inf). Cannot overflow: only NaN words reach 0xFFFF8000.
-        return np.uint16((word + np.uint32(0x7FFF) + ((word >> np.uint32(16)) & np.uint32(1)))
-                         >> np.uint32(16))
-
-    @numba.njit(nogil=True, cache=False)
-    def round_to_bfloat16(words, out, stream_from_bytes):
-        count = words.size
-        address = out.ctypes.data
-        if count * 2 < stream_from_bytes or address & 1:
-            for i in range(count):
-                out[i] = round_one(words[i])
-            return
-        head = min(count, ((32 - (address & 31)) & 31) // 2)   # up to the first 32-byte line
-        for i in range(head):
-            out[i] = round_one(words[i])
-        # Two halves in one loop: two read streams keep more loads in flight than one (a read
-        # of 512 MiB took 43-56 ms as two interleaved streams against 54-66 ms as one, here).
-        vectors = (count - head) // lanes
-        half = vectors // 2
-        first, second = head, head + half * lanes
-        for _ in range(half):
-            stream_rounded(words, out, first)
-            stream_rounded(words, out, second)
-            first += lanes
-            second += lanes
-        for i in range(second, count):       # an odd last vector and the tail
-            out[i] = round_one(words[i])
-        store_fence()
-    logger.debug("compiled the float32 -> bfloat16 cast with numba %s", numba.__version__)
-    return round_to_bfloat16
 
 
 # MindSpore's casts into a 16-bit float write one canonical quiet NaN; NumPy (float16) and

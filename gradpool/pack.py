@@ -32,6 +32,7 @@ gradient) takes a short path with the same checks and writes (:func:`_put_one_on
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 from typing import NamedTuple, Optional, Sequence
@@ -42,9 +43,9 @@ import numpy as np
 from mindspore import mint
 
 from gradpool.device import drain_launch_queue
-from gradpool.dtypes import (canonicalize_nans, check_dtype, compiled_cast, host_alias,
-                             host_view, is_supported_singleton, is_whole_storage, itemsize,
-                             overwrite)
+from gradpool.dtypes import (canonicalize_nans, check_dtype, compiled_cast, host_address,
+                             host_alias, host_view, host_writer, is_supported_singleton,
+                             is_whole_storage, itemsize, overwrite)
 from gradpool.errors import LayoutMismatchError, LeaseStateError
 from gradpool.layout import GradSlot, ReduceScatterLayout
 from gradpool.pool import Lease
@@ -266,15 +267,47 @@ def _put_one_on_host(lease: Lease, grad: ms.Tensor, layout: ReduceScatterLayout,
     if grad.shape != layout.slots[0].shape or lease.numel != layout.total_numel:
         return None
     drain_launch_queue()          # as in _host_write: the producer of grad has run
+    if not add:
+        nbytes = _write_at_addresses(lease, grad)
+        if nbytes:
+            return Written(nbytes, 0, True)
     bucket = _host_bucket(lease)  # raises LeaseStateError on a released lease
     src = host_alias(grad, keep_alive=False)     # the caller holds grad while this runs
     if src is None:
         return None
     if not add and src.dtype == bucket.dtype:
         np.copyto(bucket, src)
-    elif _write_flat(bucket, src, add) and bucket.dtype.itemsize == 2:
+        return Written(layout.total_numel * bucket.dtype.itemsize, 0, True)
+    if np.may_share_memory(bucket, src):
+        # NumPy buffers an overlapping 1-D copy only for negative strides; a cast over its own
+        # source would overwrite elements it has yet to read.
+        src = src.copy()
+    if _write_flat(bucket, src, add) and bucket.dtype.itemsize == 2:
         canonicalize_nans(bucket)
     return Written(layout.total_numel * bucket.dtype.itemsize, 0, True)
+
+
+def _write_at_addresses(lease: Lease, grad: ms.Tensor) -> int:
+    """Pack ``grad`` (the lease's element count) into the lease with a compiled write between
+    the two memories' addresses; the bytes written, or 0, having written nothing, when the pair
+    has no such writer or either side has no host address."""
+    writer = host_writer(grad.dtype, lease.dtype)
+    if writer is None:
+        return 0
+    dst = lease.host_address()       # raises LeaseStateError on a released lease
+    src = host_address(grad)
+    if dst is None or src is None:
+        return 0
+    numel = lease.numel
+    nbytes, src_nbytes = numel * writer.dst_itemsize, numel * writer.src_itemsize
+    if src < dst + nbytes and dst < src + src_nbytes:
+        # A gradient over its own bucket: a cast would overwrite elements it has yet to read.
+        staged = np.empty(src_nbytes, np.uint8)
+        ctypes.memmove(staged.ctypes.data, src, src_nbytes)
+        writer.write(dst, staged.ctypes.data, numel)
+        return nbytes
+    writer.write(dst, src, numel)
+    return nbytes
 
 
 def _host_applies(lease: Lease) -> bool:

@@ -198,6 +198,15 @@ class Lease:
         (bfloat16 as ``ml_dtypes.bfloat16``): writes land in the bucket, and nothing is waited
         for (drain the launch queue first if queued ops may write the bucket). None on a pool
         whose buckets are not host memory (Ascend). The array is valid while the lease is live."""
+        if self.host_address() is None:
+            return None
+        array = self._bucket.host[1]
+        return array if self.numel == self._bucket.capacity else array[:self.numel]
+
+    def host_address(self) -> Optional[int]:
+        """Where :meth:`host_array` starts (the allocation's host memory), for a compiled write
+        of up to ``numel`` elements; None where ``host_array`` is None. Valid while the lease is
+        live; drain the launch queue before writing there, as for ``host_array``."""
         bucket = self._bucket
         if self._released:
             self.tensor  # noqa: B018 - raises LeaseStateError
@@ -209,8 +218,7 @@ class Lease:
             if self._pool.device != "CPU" or not is_whole_storage(bucket.tensor):
                 return None
             bucket.host = (pointer, host_alias(bucket.tensor, keep_alive=False))
-        array = bucket.host[1]
-        return array if self.numel == bucket.capacity else array[:self.numel]
+        return pointer
 
     @property
     def is_whole_bucket(self) -> bool:

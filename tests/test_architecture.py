@@ -1,6 +1,6 @@
 """The layering of gradpool, enforced on the source: imports only point down.
 
-Bottom up: errors; layout, dtypes, device; pool | comm (siblings); pack; reducer; runtime and
+Bottom up: errors, kernels; layout, dtypes, device; pool | comm (siblings); pack; reducer; runtime and
 testing. hyper_parallel sits on top and imports gradpool only through its root; gradpool.app,
 the CLI and the benchmarks runner sit on top of both.
 """
@@ -12,7 +12,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CORE = ROOT / "gradpool"
 # A core module may import only core modules of a strictly lower layer.
-LAYER = {"errors": 0, "layout": 1, "dtypes": 1, "device": 1, "pool": 2, "comm": 2, "pack": 3,
+LAYER = {"errors": 0, "kernels": 0, "layout": 1, "dtypes": 1, "device": 1, "pool": 2, "comm": 2, "pack": 3,
          "reducer": 4, "runtime": 5, "testing": 5}
 ABOVE_CORE = ("hyper_parallel", "gradpool.app", "benchmarks")
 
@@ -66,6 +66,12 @@ def test_layout_is_pure_python():
         assert not module.startswith(("mindspore", "numpy")), module
         if module.startswith("gradpool."):
             assert module.startswith("gradpool.errors"), module
+
+
+def test_kernels_are_numpy_and_numba_only():
+    """The compiled loops work on addresses and NumPy arrays: no MindSpore, no gradpool."""
+    for module in imported_modules(CORE / "kernels.py"):
+        assert not module.startswith(("mindspore", "gradpool")), module
 
 
 def test_the_facade_names_resolve_and_stay_below_the_application():

@@ -3,6 +3,8 @@ against the fast world-1 tests). Each says what it pins; the mutants judged equi
 in the issue-13 note, not here."""
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 
 from gradpool.comm import CompletedHandle, Communicator
@@ -791,7 +793,7 @@ def _reference_kernel(calls):
     import numpy as np
 
     def kernel(words, out, stream_from_bytes):
-        from gradpool.dtypes import STREAM_FROM_BYTES
+        from gradpool.kernels import STREAM_FROM_BYTES
         assert stream_from_bytes == STREAM_FROM_BYTES
         assert (words.dtype, out.dtype, words.ndim, out.ndim) == (np.uint32, np.uint16, 1, 1)
         assert words.size == out.size
@@ -805,9 +807,9 @@ def _reference_kernel(calls):
 def test_compiled_cast_writes_only_a_contiguous_float32_to_bfloat16_pair(monkeypatch):
     import ml_dtypes
     import numpy as np
-    from gradpool import dtypes
+    from gradpool import dtypes, kernels
     calls = []
-    monkeypatch.setattr(dtypes, "_bfloat16_kernel", lambda: _reference_kernel(calls))
+    monkeypatch.setattr(kernels, "bfloat16_kernel", lambda: _reference_kernel(calls))
     rng = np.random.default_rng(31)
     src = rng.standard_normal((3, 4)).astype(np.float32)
     src[0, 1], src[1, 2], src[2, 3] = np.nan, np.inf, -np.nan
@@ -838,19 +840,23 @@ def test_compiled_cast_without_numba_writes_nothing(monkeypatch, caplog):
     import sys
     import ml_dtypes
     import numpy as np
-    from gradpool import dtypes
+    from gradpool import dtypes, kernels
     monkeypatch.setitem(sys.modules, "numba", None)      # import numba raises ImportError
-    dtypes._bfloat16_kernel.cache_clear()
+    kernels.bfloat16_kernel.cache_clear()
+    kernels._address_writers.cache_clear()
     try:
         dst = np.zeros(4, ml_dtypes.bfloat16)
-        with caplog.at_level("WARNING", logger="gradpool.dtypes"):
+        with caplog.at_level("WARNING", logger="gradpool.kernels"):
             assert dtypes.compiled_cast(dst, np.ones(4, np.float32)) is False
             assert dtypes.compiled_cast(dst, np.ones(4, np.float32)) is False
+            assert kernels.address_writer("float32", "bfloat16") is None
+            assert kernels.address_writer("float32", "float32") is None
         assert not dst.view(np.uint16).any()
         warned = [r.getMessage() for r in caplog.records if "numba" in r.getMessage()]
         assert len(warned) == 1 and "ml-dtypes" in warned[0], warned
     finally:
-        dtypes._bfloat16_kernel.cache_clear()
+        kernels.bfloat16_kernel.cache_clear()
+        kernels._address_writers.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
@@ -1029,17 +1035,100 @@ def test_identity_layout_pack_then_accumulate_on_the_host(grad_dtype, bucket_dty
     lease.release()
 
 
-def test_the_compiled_cast_serves_a_pack_never_an_accumulate(monkeypatch):
-    """With the compiled float32 -> bfloat16 cast available (a stand-in kernel here), an
-    identity-layout host pack writes through it; an accumulate must add, so it never does."""
+def _recorded_address_writers(monkeypatch, calls):
+    """The real compiled address writers, each call recorded as (src dtype, dst dtype, numel)."""
+    from gradpool import dtypes, kernels
+    real = kernels.address_writer
+
+    def recording(src, dst):
+        write = real(src, dst)
+        if write is None:
+            return None
+
+        def recorded(dst_address, src_address, numel):
+            calls.append((src, dst, numel))
+            write(dst_address, src_address, numel)
+        return recorded
+    monkeypatch.setattr(kernels, "address_writer", recording)
+    monkeypatch.setattr(dtypes, "_WRITERS", {})
+
+
+_WRITER_PAIRS = [("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"),
+                 ("float32", "bfloat16"), ("bfloat16", "float32")]
+
+
+@pytest.mark.parametrize("grad_dtype,bucket_dtype", _WRITER_PAIRS)
+def test_the_address_writers_serve_a_pack_never_an_accumulate(monkeypatch, grad_dtype,
+                                                              bucket_dtype):
+    """An identity-layout host pack of one contiguous gradient writes through the pair's
+    compiled address writer; an accumulate must add, so it never does."""
     import mindspore as ms
     import numpy as np
-    from gradpool import dtypes
     from gradpool import pack as packing
     from gradpool.pool import BucketPool
     from npref import add_rounded, normal, round_to, values
     calls = []
-    monkeypatch.setattr(dtypes, "_bfloat16_kernel", lambda: _reference_kernel(calls))
+    _recorded_address_writers(monkeypatch, calls)
+    layout = ReduceScatterLayout.build([(16,)], 2, 1)
+    rng = np.random.default_rng(37)
+    first, second = (round_to(normal(rng, (16,)), grad_dtype) for _ in range(2))
+    as_grad = lambda a: ms.Tensor(a).astype(getattr(ms, grad_dtype))   # noqa: E731
+    lease = BucketPool(device="CPU", alignment_bytes=4).acquire(16, getattr(ms, bucket_dtype))
+    written = packing.pack(lease, [as_grad(first)], layout, host=True)
+    assert calls == [(grad_dtype, bucket_dtype, 16)]
+    assert written.nbytes == lease.nbytes and written.on_host
+    packed = round_to(first, bucket_dtype)
+    np.testing.assert_array_equal(values(lease.tensor), packed)
+    packing.accumulate(lease, [as_grad(second)], layout, host=True)
+    assert len(calls) == 1
+    np.testing.assert_array_equal(values(lease.tensor),
+                                  add_rounded(packed, second, bucket_dtype))
+    lease.release()
+
+
+@pytest.mark.parametrize("writers", ["address-writers", "numpy"])
+def test_a_gradient_over_its_own_bucket_is_read_before_it_is_overwritten(monkeypatch, writers):
+    """A gradient whose memory overlaps the bucket (a bfloat16 tensor over the first half of a
+    float32 bucket) is cast from a copy, by the address writer and by NumPy alike: widening in
+    place would overwrite gradient elements 2i and 2i + 1 with element i before reading them
+    (NumPy buffers an overlapping 1-D copy only for negative strides)."""
+    import mindspore as ms
+    import numpy as np
+    from gradpool import kernels
+    from gradpool import pack as packing
+    from gradpool.pool import BucketPool
+    from npref import values
+    calls = []
+    _recorded_address_writers(monkeypatch, calls)
+    if writers == "numpy":
+        monkeypatch.setattr(kernels, "address_writer", lambda src, dst: None)
+    lease = BucketPool(device="CPU", alignment_bytes=4).acquire(32, ms.float32)
+    halves = np.frombuffer((ctypes.c_char * 64).from_address(lease.host_address()), np.int16)
+    source = np.random.default_rng(38).standard_normal(32).astype(np.float32)
+    halves[:] = (source.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
+    grad = ms.from_numpy(halves).view(ms.bfloat16)
+    assert grad.data_ptr() == lease.host_address()
+    packing.pack(lease, [grad], ReduceScatterLayout.build([(32,)], 1, 1), host=True)
+    assert calls == ([("bfloat16", "float32", 32)] if writers == "address-writers" else [])
+    want = ((source.view(np.uint32) >> 16) << 16).view(np.float32)
+    np.testing.assert_array_equal(values(lease.tensor), want)
+    lease.release()
+
+
+def test_the_compiled_cast_serves_a_pack_never_an_accumulate(monkeypatch):
+    """Without the address writers (a gradient they cannot take), the compiled float32 ->
+    bfloat16 cast (a stand-in kernel here) writes an identity-layout host pack; an accumulate
+    must add, so it never does."""
+    import mindspore as ms
+    import numpy as np
+    from gradpool import dtypes, kernels
+    from gradpool import pack as packing
+    from gradpool.pool import BucketPool
+    from npref import add_rounded, normal, round_to, values
+    calls = []
+    monkeypatch.setattr(kernels, "bfloat16_kernel", lambda: _reference_kernel(calls))
+    monkeypatch.setattr(kernels, "address_writer", lambda src, dst: None)
+    monkeypatch.setattr(dtypes, "_WRITERS", {})
     layout = ReduceScatterLayout.build([(16,)], 2, 1)
     rng = np.random.default_rng(36)
     first, second = normal(rng, (16,)), normal(rng, (16,))

@@ -20,9 +20,21 @@ _UINT = {ms.float32: np.uint32, ms.float16: np.uint16, ms.bfloat16: np.uint16}
 _INT = {ms.float32: np.int32, ms.float16: np.int16, ms.bfloat16: np.int16}
 
 
-@pytest.fixture(params=["host-copies", "device-copies"])
-def host(request):
-    return request.param == "host-copies"
+@pytest.fixture(params=["host-addresses", "host-numpy", "device-copies"])
+def host(request, monkeypatch):
+    """The three copy paths: on the host, a single gradient whose bucket is the flat gradient is
+    written by a compiled writer between the two addresses ("host-addresses"); with those
+    writers unavailable (as without numba) NumPy and ml-dtypes write it ("host-numpy"); the
+    device path writes with MindSpore's ops."""
+    if request.param == "host-numpy":
+        without_address_writers(monkeypatch)
+    return request.param != "device-copies"
+
+
+def without_address_writers(monkeypatch):
+    from gradpool import dtypes, kernels
+    monkeypatch.setattr(kernels, "address_writer", lambda src, dst: None)
+    monkeypatch.setattr(dtypes, "_WRITERS", {})
 
 
 def bits_of(tensor):
@@ -182,8 +194,8 @@ def store(request, monkeypatch):
     """The compiled cast's two store kinds: below ``STREAM_FROM_BYTES`` ordinary stores, from it
     on non-temporal vector stores (set to 0 here, so small outputs take that path too)."""
     if request.param == "streaming":
-        from gradpool import dtypes
-        monkeypatch.setattr(dtypes, "STREAM_FROM_BYTES", 0)
+        from gradpool import kernels
+        monkeypatch.setattr(kernels, "STREAM_FROM_BYTES", 0)
     return request.param
 
 
@@ -221,8 +233,8 @@ def test_compiled_cast_at_an_odd_address_takes_the_ordinary_loop(monkeypatch):
     """A uint16 view at an odd address (a byte buffer's) cannot be aligned for vector stores:
     the ordinary loop writes it (a vector store there would fault)."""
     import ml_dtypes
-    from gradpool import dtypes
-    monkeypatch.setattr(dtypes, "STREAM_FROM_BYTES", 0)
+    from gradpool import dtypes, kernels
+    monkeypatch.setattr(kernels, "STREAM_FROM_BYTES", 0)
     words = float32_patterns()[:1000]
     raw = np.zeros(2 * words.size + 64, np.uint8)
     start = 1 + (-raw.ctypes.data % 32)
@@ -246,8 +258,40 @@ def test_compiled_cast_takes_only_contiguous_float32_to_bfloat16():
 def test_float32_to_bfloat16_without_the_compiled_cast(monkeypatch):
     """Without numba (where it cannot be imported) the one-pass ml_dtypes cast, plus NaN
     canonicalization, writes the same bits."""
-    from gradpool import dtypes
-    monkeypatch.setattr(dtypes, "_bfloat16_kernel", lambda: None)
+    from gradpool import kernels
+    monkeypatch.setattr(kernels, "bfloat16_kernel", lambda: None)
+    without_address_writers(monkeypatch)
     words = float32_patterns()
     got = pack_bits(words, ms.float32, ms.bfloat16, host=True)
     np.testing.assert_array_equal(got, rne_bfloat16(words))
+
+
+@pytest.mark.parametrize("length", [1, 3, 16, 17, 4099])
+@pytest.mark.parametrize("src_name,dst_name", [
+    ("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"),
+    ("bfloat16", "float32"), ("float32", "bfloat16")])
+def test_address_writer_writes_exactly_its_elements(src_name, dst_name, length, store):
+    """Each compiled address writer, at any length and either store kind: the bits of the
+    integer references, and no byte before or after the output written."""
+    from gradpool.kernels import address_writer
+    write = address_writer(src_name, dst_name)
+    assert write is not None
+    if src_name == "float32":
+        source = float32_patterns()[-length:]
+        want = source if dst_name == "float32" else rne_bfloat16(source)
+    else:
+        source = np.resize(all_16bit_patterns()[::-7], length)
+        want = source if dst_name == src_name else source.astype(np.uint32) << 16
+    want = np.ascontiguousarray(want)
+    guard = 32 // want.itemsize
+    backing = np.full(length + 2 * guard, 0x5A5A, want.dtype)
+    write(backing[guard:].ctypes.data, np.ascontiguousarray(source).ctypes.data, length)
+    np.testing.assert_array_equal(backing[guard:guard + length], want)
+    assert (backing[:guard] == 0x5A5A).all() and (backing[guard + length:] == 0x5A5A).all()
+
+
+def test_no_address_writer_for_a_pair_without_one():
+    from gradpool.kernels import address_writer
+    assert address_writer("float16", "float32") is None
+    assert address_writer("float32", "float16") is None
+    assert address_writer("bfloat16", "float16") is None

@@ -1,0 +1,204 @@
+"""The compiled host loops of the CPU pack path (numba): the float32 -> bfloat16 cast, and the
+single-gradient writes between two host addresses.
+
+Kept apart from :mod:`gradpool.dtypes` because they are code generation (LLVM IR, numba
+intrinsics), compiled once per process on first use; every function here returns None where
+numba cannot be imported, and the callers then take their NumPy / ml-dtypes path (same bits).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+from typing import Callable, Optional
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+_NO_NUMBA = ("numba cannot be imported (%s): host casts fall back to NumPy and ml-dtypes, same "
+             "bits, several times slower; pip install 'numba>=0.60,<0.69'")
+
+
+# From this many bytes written on, the compiled cast stores with non-temporal (streaming)
+# stores: a store that misses the cache otherwise reads its line first (read-for-ownership), so
+# an ordinary cast moves 4 + 2 + 2 bytes per element where a streaming one moves 4 + 2. Below
+# it the bucket fits the caches the collective reads it from next. glibc's memcpy, the
+# benchmark reference, switches to such stores itself for large copies.
+STREAM_FROM_BYTES = 8 << 20
+STREAM_LANES = 16           # elements per vector store: 32 bytes, one AVX2 register
+
+
+@functools.lru_cache(maxsize=1)
+def bfloat16_kernel():  # pragma: no mutate block
+    """The compiled float32-bits -> bfloat16-bits loop ``kernel(words, out, stream_from_bytes)``
+    (None if numba cannot be imported); compiled once per process on first use (~1 s)."""
+    try:
+        import numba
+        from llvmlite import ir
+        from numba.core import types
+        from numba.extending import intrinsic
+    except ImportError as exc:
+        logger.warning(_NO_NUMBA, exc)
+        return None
+
+    lanes = STREAM_LANES
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+
+    @intrinsic
+    def stream_rounded(typingctx, words, out, start):
+        """out[start:start + lanes] = the rounded words, as one vector non-temporal store
+        (out + start must be 32-byte aligned). The same integer rounding as round_one, written
+        as vector IR because numba has no non-temporal store and LLVM vectorizes no loop that
+        has one."""
+        def codegen(context, builder, signature, args):
+            words_ty, out_ty, _ = signature.args
+            src = context.make_array(words_ty)(context, builder, args[0]).data
+            dst = context.make_array(out_ty)(context, builder, args[1]).data
+            word_vec = ir.VectorType(ir.IntType(32), lanes)
+
+            def splat(value):
+                return ir.Constant(word_vec, [value] * lanes)
+            x = builder.load(builder.bitcast(builder.gep(src, [args[2]]), word_vec.as_pointer()),
+                             align=4)
+            is_nan = builder.icmp_unsigned(">", builder.and_(x, splat(0x7FFFFFFF)),
+                                           splat(0x7F800000))
+            odd = builder.and_(builder.lshr(x, splat(16)), splat(1))
+            rounded = builder.lshr(builder.add(builder.add(x, splat(0x7FFF)), odd), splat(16))
+            bits = builder.trunc(builder.select(is_nan, splat(0x7FC0), rounded),
+                                 ir.VectorType(ir.IntType(16), lanes))
+            target = builder.bitcast(builder.gep(dst, [args[2]]), bits.type.as_pointer())
+            store = builder.store(bits, target, align=2 * lanes)
+            store.set_metadata("nontemporal",
+                               builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+            return context.get_dummy_value()
+        return types.void(words, out, start), codegen
+
+    @intrinsic
+    def store_fence(typingctx):
+        """Order the streaming stores before every later memory access (they bypass the normal
+        store ordering; the collective that reads the bucket may run on another thread)."""
+        def codegen(context, builder, signature, args):
+            if x86:
+                # LLVM lowers a seq_cst fence on x86 to a locked instruction, which vendors do
+                # not all document as ordering streaming stores; sfence is what does.
+                sfence = builder.module.declare_intrinsic(
+                    "llvm.x86.sse.sfence", fnty=ir.FunctionType(ir.VoidType(), []))
+                builder.call(sfence, [])
+            else:
+                builder.fence("seq_cst")
+            return context.get_dummy_value()
+        return types.void(), codegen
+
+    @numba.njit(nogil=True, cache=False, inline="always")
+    def round_one(word):
+        if (word & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+            return np.uint16(0x7FC0)
+        # Round to nearest even on the 16 bits dropped; a carry into the exponent is correct
+        # (up to inf). Cannot overflow: only NaN words reach 0xFFFF8000.
+        return np.uint16((word + np.uint32(0x7FFF) + ((word >> np.uint32(16)) & np.uint32(1)))
+                         >> np.uint32(16))
+
+    @numba.njit(nogil=True, cache=False)
+    def round_to_bfloat16(words, out, stream_from_bytes):
+        count = words.size
+        address = out.ctypes.data
+        if count * 2 < stream_from_bytes or address & 1:
+            for i in range(count):
+                out[i] = round_one(words[i])
+            return
+        head = min(count, ((32 - (address & 31)) & 31) // 2)   # up to the first 32-byte line
+        for i in range(head):
+            out[i] = round_one(words[i])
+        # Two halves in one loop: two read streams keep more loads in flight than one (a read
+        # of 512 MiB took 43-56 ms as two interleaved streams against 54-66 ms as one, here).
+        vectors = (count - head) // lanes
+        half = vectors // 2
+        first, second = head, head + half * lanes
+        for _ in range(half):
+            stream_rounded(words, out, first)
+            stream_rounded(words, out, second)
+            first += lanes
+            second += lanes
+        for i in range(second, count):       # an odd last vector and the tail
+            out[i] = round_one(words[i])
+        store_fence()
+    logger.debug("compiled the float32 -> bfloat16 cast with numba %s", numba.__version__)
+    return round_to_bfloat16
+
+
+# Element sizes of the address writers' dtypes (the key of address_writer's table).
+_WIDTH = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def address_writer(src_dtype: str, dst_dtype: str) -> Optional[Callable[[int, int, int], None]]:
+    """The compiled ``write(dst_address, src_address, numel)`` of ``numel`` contiguous elements
+    of ``src_dtype`` at ``src_address`` into ``dst_dtype`` at ``dst_address``, for the pairs it
+    has: a same-dtype copy (memmove: the ranges may overlap), bfloat16 -> float32 (exact: the
+    bits shifted into the high half, NaN payloads kept, as MindSpore widens) and float32 ->
+    bfloat16 (:func:`bfloat16_kernel`, streaming from :data:`STREAM_FROM_BYTES` as read when
+    the writer is called; the two ranges must not overlap). None for any other pair, or without
+    numba.
+
+    Why addresses: a single-gradient pack of 4 KiB costs a few microseconds of Python around a
+    sub-microsecond copy, and building the two NumPy arrays over the memory was the largest part
+    of it (~1-4 us each); a compiled call with integer arguments dispatches in ~0.3 us."""
+    writers = _address_writers()
+    return None if writers is None else writers.get((src_dtype, dst_dtype))
+
+
+@functools.lru_cache(maxsize=1)
+def _address_writers():  # pragma: no mutate block
+    narrow = bfloat16_kernel()
+    if narrow is None:
+        return None
+    import numba
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    def pointer_to(element):
+        @intrinsic
+        def as_pointer(typingctx, address):
+            pointer = types.CPointer(element)
+
+            def codegen(context, builder, signature, args):
+                return builder.inttoptr(args[0], context.get_value_type(pointer))
+            return pointer(address), codegen
+        return as_pointer
+
+    @intrinsic
+    def move_bytes(typingctx, dst, src, nbytes):
+        def codegen(context, builder, signature, args):
+            cgutils.raw_memmove(builder, builder.inttoptr(args[0], cgutils.voidptr_t),
+                                builder.inttoptr(args[1], cgutils.voidptr_t), args[2], 1)
+            return context.get_dummy_value()
+        return types.void(dst, src, nbytes), codegen
+
+    words_at, halves_at = pointer_to(types.uint32), pointer_to(types.uint16)
+
+    def copier(width):
+        @numba.njit(nogil=True, cache=False)
+        def copy(dst, src, numel):
+            move_bytes(dst, src, numel * width)
+        return copy
+
+    @numba.njit(nogil=True, cache=False)
+    def widen(dst, src, numel):
+        halves = numba.carray(halves_at(src), numel)
+        words = numba.carray(words_at(dst), numel)
+        for i in range(numel):
+            words[i] = np.uint32(halves[i]) << np.uint32(16)
+
+    @numba.njit(nogil=True, cache=False)
+    def narrow_at(dst, src, numel, stream_from_bytes):
+        narrow(numba.carray(words_at(src), numel), numba.carray(halves_at(dst), numel),
+               stream_from_bytes)
+
+    def narrowing(dst: int, src: int, numel: int) -> None:
+        narrow_at(dst, src, numel, STREAM_FROM_BYTES)
+
+    writers = {(name, name): copier(width) for name, width in _WIDTH.items()}
+    writers[("bfloat16", "float32")] = widen
+    writers[("float32", "bfloat16")] = narrowing
+    logger.debug("compiled the host address writers")
+    return writers
