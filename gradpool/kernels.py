@@ -20,7 +20,7 @@ _NO_NUMBA = ("numba cannot be imported (%s): host casts fall back to NumPy and m
              "bits, several times slower; pip install 'numba>=0.60,<0.69'")
 
 
-# From this many bytes written on, the compiled cast stores with non-temporal (streaming)
+# From this many bytes written on, the compiled cast and copy store with non-temporal (streaming)
 # stores: a store that misses the cache otherwise reads its line first (read-for-ownership), so
 # an ordinary cast moves 4 + 2 + 2 bytes per element where a streaming one moves 4 + 2. Below
 # it the bucket fits the caches the collective reads it from next. glibc's memcpy, the
@@ -43,7 +43,6 @@ def bfloat16_kernel():  # pragma: no mutate block
         return None
 
     lanes = STREAM_LANES
-    x86 = platform.machine().lower() in ("x86_64", "amd64")
 
     @intrinsic
     def stream_rounded(typingctx, words, out, start):
@@ -74,21 +73,7 @@ def bfloat16_kernel():  # pragma: no mutate block
             return context.get_dummy_value()
         return types.void(words, out, start), codegen
 
-    @intrinsic
-    def store_fence(typingctx):
-        """Order the streaming stores before every later memory access (they bypass the normal
-        store ordering; the collective that reads the bucket may run on another thread)."""
-        def codegen(context, builder, signature, args):
-            if x86:
-                # LLVM lowers a seq_cst fence on x86 to a locked instruction, which vendors do
-                # not all document as ordering streaming stores; sfence is what does.
-                sfence = builder.module.declare_intrinsic(
-                    "llvm.x86.sse.sfence", fnty=ir.FunctionType(ir.VoidType(), []))
-                builder.call(sfence, [])
-            else:
-                builder.fence("seq_cst")
-            return context.get_dummy_value()
-        return types.void(), codegen
+    store_fence = _store_fence()
 
     @numba.njit(nogil=True, cache=False, inline="always")
     def round_one(word):
@@ -127,6 +112,33 @@ def bfloat16_kernel():  # pragma: no mutate block
     return round_to_bfloat16
 
 
+@functools.lru_cache(maxsize=1)
+def _store_fence():  # pragma: no mutate block
+    """The numba intrinsic ``store_fence()`` that ends a run of streaming stores (numba is
+    importable: called from the kernel builders only)."""
+    from llvmlite import ir
+    from numba.core import types
+    from numba.extending import intrinsic
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+
+    @intrinsic
+    def store_fence(typingctx):
+        """Order the streaming stores before every later memory access (they bypass the normal
+        store ordering; the collective that reads the bucket may run on another thread)."""
+        def codegen(context, builder, signature, args):
+            if x86:
+                # LLVM lowers a seq_cst fence on x86 to a locked instruction, which vendors do
+                # not all document as ordering streaming stores; sfence is what does.
+                sfence = builder.module.declare_intrinsic(
+                    "llvm.x86.sse.sfence", fnty=ir.FunctionType(ir.VoidType(), []))
+                builder.call(sfence, [])
+            else:
+                builder.fence("seq_cst")
+            return context.get_dummy_value()
+        return types.void(), codegen
+    return store_fence
+
+
 # Element sizes of the address writers' dtypes (the key of address_writer's table).
 _WIDTH = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -134,15 +146,18 @@ _WIDTH = {"float32": 4, "float16": 2, "bfloat16": 2}
 def address_writer(src_dtype: str, dst_dtype: str) -> Optional[Callable[[int, int, int], None]]:
     """The compiled ``write(dst_address, src_address, numel)`` of ``numel`` contiguous elements
     of ``src_dtype`` at ``src_address`` into ``dst_dtype`` at ``dst_address``, for the pairs it
-    has: a same-dtype copy (memmove: the ranges may overlap), bfloat16 -> float32 (exact: the
-    bits shifted into the high half, NaN payloads kept, as MindSpore widens) and float32 ->
-    bfloat16 (:func:`bfloat16_kernel`, streaming from :data:`STREAM_FROM_BYTES` as read when
-    the writer is called; the two ranges must not overlap). None for any other pair, or without
-    numba.
+    has: a same-dtype copy (the ranges may overlap), bfloat16 -> float32 (exact: the bits
+    shifted into the high half, NaN payloads kept, as MindSpore widens) and float32 ->
+    bfloat16 (:func:`bfloat16_kernel`; the two ranges must not overlap). None for any other
+    pair, or without numba. The copy and the narrowing store with streaming stores from
+    :data:`STREAM_FROM_BYTES` written, as read when the writer is called.
 
     Why addresses: a single-gradient pack of 4 KiB costs a few microseconds of Python around a
     sub-microsecond copy, and building the two NumPy arrays over the memory was the largest part
-    of it (~1-4 us each); a compiled call with integer arguments dispatches in ~0.3 us."""
+    of it (~1-4 us each); a compiled call with integer arguments dispatches in ~0.3 us. Why a
+    compiled copy and not memcpy: glibc's memcpy streams only from 192 MiB on this machine, so
+    from 8 to 192 MiB it reads each destination line before overwriting it (measured 16 MiB:
+    4.1-4.2 ms against 2.3-2.5 ms streamed; 64 MiB: 14.6-16.5 against 9.5-11.3 ms)."""
     writers = _address_writers()
     return None if writers is None else writers.get((src_dtype, dst_dtype))
 
@@ -153,6 +168,7 @@ def _address_writers():  # pragma: no mutate block
     if narrow is None:
         return None
     import numba
+    from llvmlite import ir
     from numba.core import cgutils, types
     from numba.extending import intrinsic
 
@@ -174,12 +190,38 @@ def _address_writers():  # pragma: no mutate block
             return context.get_dummy_value()
         return types.void(dst, src, nbytes), codegen
 
+    @intrinsic
+    def stream_line(typingctx, dst, src):
+        """32 bytes from ``src`` (any alignment) to ``dst`` (32-byte aligned) as one vector
+        non-temporal store."""
+        def codegen(context, builder, signature, args):
+            line = ir.VectorType(ir.IntType(8), 32)
+            value = builder.load(builder.inttoptr(args[1], line.as_pointer()), align=1)
+            store = builder.store(value, builder.inttoptr(args[0], line.as_pointer()), align=32)
+            store.set_metadata("nontemporal",
+                               builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+            return context.get_dummy_value()
+        return types.void(dst, src), codegen
+
+    store_fence = _store_fence()
     words_at, halves_at = pointer_to(types.uint32), pointer_to(types.uint16)
 
+    @numba.njit(nogil=True, cache=False)
+    def copy_bytes(dst, src, nbytes, stream_from_bytes):
+        if nbytes < stream_from_bytes or (src < dst + nbytes and dst < src + nbytes):
+            move_bytes(dst, src, nbytes)
+            return
+        head = min(nbytes, (32 - (dst & 31)) & 31)     # up to the first 32-byte line
+        move_bytes(dst, src, head)
+        end = head + (nbytes - head) // 32 * 32
+        for at in range(head, end, 32):
+            stream_line(dst + at, src + at)
+        move_bytes(dst + end, src + end, nbytes - end)
+        store_fence()
+
     def copier(width):
-        @numba.njit(nogil=True, cache=False)
-        def copy(dst, src, numel):
-            move_bytes(dst, src, numel * width)
+        def copy(dst: int, src: int, numel: int) -> None:
+            copy_bytes(dst, src, numel * width, STREAM_FROM_BYTES)
         return copy
 
     @numba.njit(nogil=True, cache=False)
