@@ -24,11 +24,12 @@ supported dtype pair and shard dim: bfloat16 memory is viewed as ``ml_dtypes.bfl
 pass, no intermediate), an accumulate adds in float32 and rounds once into the bucket. A cast
 rounds to nearest even like MindSpore's; its NaNs are rewritten to MindSpore's canonical NaN
 (:func:`gradpool.dtypes.canonicalize_nans`, a read-only scan unless a NaN is there), so the two
-paths write the same bits (``tests/test_pack_casts.py``). A single float32 gradient packed into
-a bfloat16 bucket is cast by a compiled loop instead (:func:`gradpool.dtypes.compiled_cast`,
-numba; same bits, several times faster; ml-dtypes where numba cannot be imported). One
-gradient whose bucket is exactly the flat gradient (the gradient-by-gradient reduce, a large
-gradient) takes a short path with the same checks and writes (:func:`_put_one_on_host`).
+paths write the same bits (``tests/test_pack_casts.py``). One gradient whose bucket is exactly
+the flat gradient (the gradient-by-gradient reduce, a large gradient) takes a short path with
+the same checks (:func:`_put_one_on_host`): a compiled write between the gradient's and the
+bucket's addresses (:mod:`gradpool.kernels`, numba) for a same-dtype copy, bfloat16 -> float32
+and float32 -> bfloat16, streaming its stores from 8 MiB; NumPy / ml-dtypes for the other pairs
+and where numba cannot be imported (same bits, slower).
 """
 from __future__ import annotations
 
