@@ -209,13 +209,16 @@ def test_interrupts_inside_acquire_and_release_of_the_pool_itself():
         for step in range(400):
             try:
                 interrupt.arm(rng.uniform(0.000005, 0.0003))
-                lease = pool.acquire(rng.choice([16, 300, 2048, 4000]),
-                                     rng.choice([ms.float32, ms.bfloat16]))
-                held.append(lease)
+                # holder=: the lease is in held as part of the acquire. The oldest lease stays
+                # in held until its release commits: an interrupt between taking a lease out of
+                # the list and releasing it would lose it in this loop, not in the pool.
+                pool.acquire(rng.choice([16, 300, 2048, 4000]),
+                             rng.choice([ms.float32, ms.bfloat16]), holder=held)
                 if len(held) > 3:
-                    held.pop(0).release(FaultInjectingCommunicator(
+                    fence = FaultInjectingCommunicator(
                         SingleProcessCommunicator(), delay_seconds=0.001).all_reduce(
-                        ms.Tensor(np.zeros(1, np.float32))))
+                        ms.Tensor(np.zeros(1, np.float32)))
+                    held[0].release(fence)
                 if step % 37 == 0:
                     pool.trim()
             except KeyboardInterrupt:
