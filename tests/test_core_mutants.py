@@ -1321,7 +1321,6 @@ def test_host_array_follows_a_bucket_whose_memory_moved():
     """MindSpore may give a tensor new memory; the bucket's cached host array must then be
     rebuilt over the new memory, never written through the old pointer."""
     import mindspore as ms
-    import numpy as np
     from gradpool.pool import BucketPool
     pool = BucketPool(device="CPU", alignment_bytes=4)
     lease = pool.acquire(8, ms.float32)

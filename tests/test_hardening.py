@@ -12,7 +12,7 @@ import pytest
 
 from gradpool import (BucketPool, GradReducer, InvalidFenceError, PoolCapacityError,
                       ReducerConfig, SingleProcessCommunicator)
-from gradpool.comm import CommHandle, Communicator
+from gradpool.comm import Communicator
 from gradpool.testing import FaultInjectingCommunicator
 
 ms.set_device("CPU")

@@ -298,3 +298,17 @@ def test_no_address_writer_for_a_pair_without_one():
     assert address_writer("float16", "float32") is None
     assert address_writer("float32", "float16") is None
     assert address_writer("bfloat16", "float16") is None
+
+
+@pytest.mark.parametrize("shift", [-5, 3], ids=["destination-before", "destination-after"])
+def test_address_copy_of_overlapping_ranges_is_a_move(shift, store):
+    """The same-dtype address writer moves overlapping ranges as memmove does (the streaming
+    loop is only taken for ranges apart), whichever store kind its size selects."""
+    from gradpool.kernels import address_writer
+    memory = np.arange(5000, dtype=np.uint32)
+    src, dst, length = 100, 100 + shift, 4096
+    want = memory.copy()
+    want[dst:dst + length] = memory[src:src + length].copy()
+    write = address_writer("float32", "float32")
+    write(memory[dst:].ctypes.data, memory[src:].ctypes.data, length)
+    np.testing.assert_array_equal(memory, want)

@@ -38,7 +38,6 @@ from gradpool import (DTYPE_NAMES, SUPPORTED_DEVICES, ConfigError, ConfigValueEr
                       GradPoolConfig, InvalidArgumentError, OverrideSyntaxError,
                       UnknownConfigKeyError)
 from gradpool.device import blocks_launches_by_default
-from gradpool.runtime import MIB
 
 # Old key name -> its name now, per section; read with a FutureWarning.
 _RENAMED = {("gradpool", "buckets_in_flight"): "max_buckets_in_flight"}

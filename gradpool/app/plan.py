@@ -414,7 +414,7 @@ def plan_memory(cfg: RunConfig, options: PlanOptions = PlanOptions()) -> MemoryP
     geo = _geometry(cfg)
     pool = _PoolReplay(cfg.gradpool.alignment_bytes, cfg.gradpool.max_buckets_in_flight)
     replay = _StepReplay(cfg, geo, pool)
-    first = replay.run()
+    replay.run()                     # the first step: what it allocates is counted below
     allocations_first = pool.new_allocations
     steady = replay.run()
     reduce_size = ITEMSIZE[geo.reduce_dtype]

@@ -19,7 +19,6 @@ Every case also checks the caller's side of the contract: after ``wait()`` (and 
 from __future__ import annotations
 
 import hashlib
-import math
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ from gradpool.reducer import GradReducer, ReducerConfig
 from harness import Context, Suite, allclose, equal, raises
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # tests/: npref
-from npref import add_rounded, name_of, normal, np_chunk, reduce_over_ranks, round_to  # noqa: E402
+from npref import add_rounded, normal, np_chunk, reduce_over_ranks, round_to  # noqa: E402
 
 suite = Suite("reducer")
 

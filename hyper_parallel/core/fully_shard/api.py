@@ -17,7 +17,6 @@ import logging
 import math
 from typing import Callable, Optional, Union
 
-import mindspore as ms
 from mindspore import nn
 
 from gradpool import (GradPoolConfig, InvalidArgumentError, all_runtimes, check_bool,
