@@ -225,11 +225,11 @@ def compiled_cast(dst: np.ndarray, src: np.ndarray) -> bool:
     cannot be imported.
 
     ml_dtypes casts float32 -> bfloat16 one element at a time (~1.9 G elements/s even in cache:
-    0.1-0.25 of a memcpy of the bytes written); the compiled integer loop is vectorized and bound
-    by memory traffic, so from ``kernels.STREAM_FROM_BYTES`` written on it streams its stores past the
-    cache (0.57-0.67 of that memcpy at 16-256 MiB on the 2-core AMD CPU machine). numba is
-    a dependency; where it cannot be imported (a platform without its wheels) the ml_dtypes cast
-    is used."""
+    0.1-0.25 of a memcpy of the bytes written); the compiled integer loop
+    (:func:`gradpool.kernels.bfloat16_kernel`) is vectorized and bound by memory traffic, so from
+    ``kernels.STREAM_FROM_BYTES`` written on it streams its stores past the cache (0.62-0.76 of
+    that memcpy at 16-256 MiB on the 2-core AMD CPU machine). numba is a dependency; where it
+    cannot be imported (a platform without its wheels) the ml_dtypes cast is used."""
     if src.dtype != _F32 or dst.dtype != _BF16 or src.shape != dst.shape \
             or not (src.flags.c_contiguous and dst.flags.c_contiguous):
         return False

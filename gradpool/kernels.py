@@ -24,9 +24,10 @@ _NO_NUMBA = ("numba cannot be imported (%s): host casts fall back to NumPy and m
 # stores: a store that misses the cache otherwise reads its line first (read-for-ownership), so
 # an ordinary cast moves 4 + 2 + 2 bytes per element where a streaming one moves 4 + 2. Below
 # it the bucket fits the caches the collective reads it from next. glibc's memcpy, the
-# benchmark reference, switches to such stores itself for large copies.
+# benchmark reference, switches to such stores itself only for large copies (from 192 MiB on
+# the 2-core AMD machine: its non_temporal_threshold).
 STREAM_FROM_BYTES = 8 << 20
-STREAM_LANES = 16           # elements per vector store: 32 bytes, one AVX2 register
+_STREAM_LANES = 16          # elements per vector store: 32 bytes, one AVX2 register
 
 
 @functools.lru_cache(maxsize=1)
@@ -42,7 +43,7 @@ def bfloat16_kernel():  # pragma: no mutate block
         logger.warning(_NO_NUMBA, exc)
         return None
 
-    lanes = STREAM_LANES
+    lanes = _STREAM_LANES
 
     @intrinsic
     def stream_rounded(typingctx, words, out, start):
@@ -155,9 +156,10 @@ def address_writer(src_dtype: str, dst_dtype: str) -> Optional[Callable[[int, in
     Why addresses: a single-gradient pack of 4 KiB costs a few microseconds of Python around a
     sub-microsecond copy, and building the two NumPy arrays over the memory was the largest part
     of it (~1-4 us each); a compiled call with integer arguments dispatches in ~0.3 us. Why a
-    compiled copy and not memcpy: glibc's memcpy streams only from 192 MiB on this machine, so
-    from 8 to 192 MiB it reads each destination line before overwriting it (measured 16 MiB:
-    4.1-4.2 ms against 2.3-2.5 ms streamed; 64 MiB: 14.6-16.5 against 9.5-11.3 ms)."""
+    compiled copy and not memcpy: glibc's memcpy streams only from 192 MiB on the 2-core AMD
+    machine, so from 8 to 192 MiB it reads each destination line before overwriting it (measured
+    there, NumPy's memcpy against this copy: 16 MiB 3.1-3.3 ms against 1.8-1.9 ms; 64 MiB
+    14.6-16.1 against 9.4-9.6 ms; 256 MiB 45-46 ms both)."""
     writers = _address_writers()
     return None if writers is None else writers.get((src_dtype, dst_dtype))
 
