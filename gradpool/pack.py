@@ -303,8 +303,7 @@ def _write_at_addresses(lease: Lease, grad: ms.Tensor) -> int:
     nbytes, src_nbytes = numel * writer.dst_itemsize, numel * writer.src_itemsize
     if src < dst + nbytes and dst < src + src_nbytes:
         # A gradient over its own bucket: a cast would overwrite elements it has yet to read.
-        staged = np.empty(src_nbytes, np.uint8)
-        ctypes.memmove(staged.ctypes.data, src, src_nbytes)
+        staged = np.frombuffer(ctypes.string_at(src, src_nbytes), np.uint8)
         writer.write(dst, staged.ctypes.data, numel)
         return nbytes
     writer.write(dst, src, numel)

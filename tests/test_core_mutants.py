@@ -1115,6 +1115,78 @@ def test_a_gradient_over_its_own_bucket_is_read_before_it_is_overwritten(monkeyp
     lease.release()
 
 
+@pytest.mark.parametrize("writers", ["address-writers", "numpy"])
+def test_a_single_gradient_host_pack_refuses_a_shape_or_lease_that_does_not_fit(monkeypatch,
+                                                                                 writers):
+    """The single-gradient host path writes only a gradient of the layout's shape into a lease
+    of the layout's size: a gradient of the same element count but another shape, or a lease of
+    another size, is refused as the general path refuses it, and nothing is written."""
+    import mindspore as ms
+    import numpy as np
+    from gradpool import dtypes, kernels
+    from gradpool import pack as packing
+    from gradpool.errors import LayoutMismatchError
+    from gradpool.pool import BucketPool
+    from npref import values
+    if writers == "numpy":
+        monkeypatch.setattr(kernels, "address_writer", lambda src, dst: None)
+        monkeypatch.setattr(dtypes, "_WRITERS", {})
+    layout = ReduceScatterLayout.build([(16,)], 1, 1)
+    pool = BucketPool(device="CPU", alignment_bytes=4)
+    lease = pool.acquire(16, ms.float32)
+    before = values(lease.tensor).copy()
+    folded = ms.Tensor(np.ones((2, 8), np.float32))
+    with pytest.raises(LayoutMismatchError, match=r"shape \(2, 8\); the layout expects \(16,\)"):
+        packing.pack(lease, [folded], layout, host=True)
+    np.testing.assert_array_equal(values(lease.tensor), before)
+    lease.release()
+    pool.acquire(32, ms.float32).release()
+    longer = pool.acquire(32, ms.float32)
+    with pytest.raises(LayoutMismatchError, match="lease holds 32 elements; the layout needs 16"):
+        packing.pack(longer, [ms.Tensor(np.ones(16, np.float32))], layout, host=True)
+    longer.release()
+
+
+@pytest.mark.parametrize("writers", ["address-writers", "numpy"])
+@pytest.mark.parametrize("grad_dtype,bucket_dtype", _WRITER_PAIRS + [("float16", "float32"),
+                                                                     ("float32", "float16")])
+def test_a_single_gradient_host_pack_reports_what_it_wrote(monkeypatch, writers, grad_dtype,
+                                                           bucket_dtype):
+    """Written of a single-gradient host pack, on either host path: the bucket's bytes, no
+    padding, written on the host."""
+    import mindspore as ms
+    import numpy as np
+    from gradpool import dtypes, kernels
+    from gradpool import pack as packing
+    from gradpool.pool import BucketPool
+    if writers == "numpy":
+        monkeypatch.setattr(kernels, "address_writer", lambda src, dst: None)
+        monkeypatch.setattr(dtypes, "_WRITERS", {})
+    lease = BucketPool(device="CPU", alignment_bytes=4).acquire(24, getattr(ms, bucket_dtype))
+    grad = ms.Tensor(np.linspace(-3, 3, 24, dtype=np.float32)).astype(getattr(ms, grad_dtype))
+    written = packing.pack(lease, [grad], ReduceScatterLayout.build([(24,)], 2, 1), host=True)
+    assert written == packing.Written(24 * (4 if bucket_dtype == "float32" else 2), 0, True)
+    lease.release()
+
+
+def test_host_writer_is_looked_up_once_per_pair_of_supported_dtype_objects(monkeypatch):
+    """host_writer caches by the id() of the dtype objects, so it caches only the supported
+    singletons (another object's id may be reused by a later one) and returns the cached writer,
+    with both element sizes, on every later call."""
+    import mindspore as ms
+    from gradpool import dtypes
+    monkeypatch.setattr(dtypes, "_WRITERS", {})
+    stranger = object()
+    assert dtypes.host_writer(stranger, ms.float32) is None
+    assert dtypes.host_writer(ms.float32, stranger) is None
+    assert dtypes._WRITERS == {}
+    writer = dtypes.host_writer(ms.bfloat16, ms.float32)
+    assert (writer.src_itemsize, writer.dst_itemsize) == (2, 4)
+    assert dtypes._WRITERS == {(id(ms.bfloat16), id(ms.float32)): writer}
+    assert dtypes.host_writer(ms.bfloat16, ms.float32) is writer
+    assert dtypes.host_writer(ms.float16, ms.float32) is None       # no writer for the pair
+
+
 def test_the_compiled_cast_serves_a_pack_never_an_accumulate(monkeypatch):
     """Without the address writers (a gradient they cannot take), the compiled float32 ->
     bfloat16 cast (a stand-in kernel here) writes an identity-layout host pack; an accumulate
