@@ -43,6 +43,7 @@ from gradpool.dtypes import (check_dtype, host_alias, is_whole_storage,
                              is_supported_singleton, itemsize, nan_fill, writable_view)
 from gradpool.errors import (ForeignLeaseError, InvalidArgumentError, InvalidFenceError,
                              LeaseStateError, PoolCapacityError, check_bool, check_int)
+from gradpool.kernels import compile_host_loops
 from gradpool.layout import round_up
 
 logger = logging.getLogger(__name__)
@@ -294,6 +295,8 @@ class BucketPool:
         # abort the process), so the pool's own tensor writes (poisoning, freeing) stay on the
         # thread that made the pool; another thread's stats() or trim() only reads and counts.
         self._owner = threading.get_ident()
+        if self.device == "CPU":
+            compile_host_loops()      # once per process: the first pack compiles nothing
 
     # -- public API -------------------------------------------------------------------------
     def alignment_elements(self, dtype) -> int:

@@ -844,6 +844,7 @@ def test_compiled_cast_without_numba_writes_nothing(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "numba", None)      # import numba raises ImportError
     kernels.bfloat16_kernel.cache_clear()
     kernels._address_writers.cache_clear()
+    kernels.compile_host_loops.cache_clear()
     try:
         dst = np.zeros(4, ml_dtypes.bfloat16)
         with caplog.at_level("WARNING", logger="gradpool.kernels"):
@@ -851,12 +852,14 @@ def test_compiled_cast_without_numba_writes_nothing(monkeypatch, caplog):
             assert dtypes.compiled_cast(dst, np.ones(4, np.float32)) is False
             assert kernels.address_writer("float32", "bfloat16") is None
             assert kernels.address_writer("float32", "float32") is None
+            assert kernels.compile_host_loops() is False
         assert not dst.view(np.uint16).any()
         warned = [r.getMessage() for r in caplog.records if "numba" in r.getMessage()]
         assert len(warned) == 1 and "ml-dtypes" in warned[0], warned
     finally:
         kernels.bfloat16_kernel.cache_clear()
         kernels._address_writers.cache_clear()
+        kernels.compile_host_loops.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
