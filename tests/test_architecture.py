@@ -1,7 +1,7 @@
 """The layering of gradpool, enforced on the source: imports only point down.
 
-Bottom up: errors, kernels; layout, dtypes, device; pool | comm (siblings); pack; reducer; runtime and
-testing. hyper_parallel sits on top and imports gradpool only through its root; gradpool.app,
+Bottom up: errors, kernels; layout, dtypes, device; pool | comm (siblings); pack; reducer;
+runtime and testing. hyper_parallel sits on top and imports gradpool only through its root; gradpool.app,
 the CLI and the benchmarks runner sit on top of both.
 """
 import ast
@@ -12,8 +12,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CORE = ROOT / "gradpool"
 # A core module may import only core modules of a strictly lower layer.
-LAYER = {"errors": 0, "kernels": 0, "layout": 1, "dtypes": 1, "device": 1, "pool": 2, "comm": 2, "pack": 3,
-         "reducer": 4, "runtime": 5, "testing": 5}
+LAYER = {"errors": 0, "kernels": 0, "layout": 1, "dtypes": 1, "device": 1, "pool": 2, "comm": 2,
+         "pack": 3, "reducer": 4, "runtime": 5, "testing": 5}
 ABOVE_CORE = ("hyper_parallel", "gradpool.app", "benchmarks")
 
 

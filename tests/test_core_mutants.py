@@ -1056,6 +1056,13 @@ def _recorded_address_writers(monkeypatch, calls):
     monkeypatch.setattr(dtypes, "_WRITERS", {})
 
 
+def _without_address_writers(monkeypatch):
+    """No compiled address writer for any pair (as without numba): the NumPy host path."""
+    from gradpool import dtypes, kernels
+    monkeypatch.setattr(kernels, "address_writer", lambda src, dst: None)
+    monkeypatch.setattr(dtypes, "_WRITERS", {})
+
+
 _WRITER_PAIRS = [("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"),
                  ("float32", "bfloat16"), ("bfloat16", "float32")]
 
@@ -1097,14 +1104,13 @@ def test_a_gradient_over_its_own_bucket_is_read_before_it_is_overwritten(monkeyp
     (NumPy buffers an overlapping 1-D copy only for negative strides)."""
     import mindspore as ms
     import numpy as np
-    from gradpool import kernels
     from gradpool import pack as packing
     from gradpool.pool import BucketPool
     from npref import values
     calls = []
     _recorded_address_writers(monkeypatch, calls)
     if writers == "numpy":
-        monkeypatch.setattr(kernels, "address_writer", lambda src, dst: None)
+        _without_address_writers(monkeypatch)
     lease = BucketPool(device="CPU", alignment_bytes=4).acquire(32, ms.float32)
     halves = np.frombuffer((ctypes.c_char * 64).from_address(lease.host_address()), np.int16)
     source = np.random.default_rng(38).standard_normal(32).astype(np.float32)
@@ -1126,14 +1132,12 @@ def test_a_single_gradient_host_pack_refuses_a_shape_or_lease_that_does_not_fit(
     another size, is refused as the general path refuses it, and nothing is written."""
     import mindspore as ms
     import numpy as np
-    from gradpool import dtypes, kernels
     from gradpool import pack as packing
     from gradpool.errors import LayoutMismatchError
     from gradpool.pool import BucketPool
     from npref import values
     if writers == "numpy":
-        monkeypatch.setattr(kernels, "address_writer", lambda src, dst: None)
-        monkeypatch.setattr(dtypes, "_WRITERS", {})
+        _without_address_writers(monkeypatch)
     layout = ReduceScatterLayout.build([(16,)], 1, 1)
     pool = BucketPool(device="CPU", alignment_bytes=4)
     lease = pool.acquire(16, ms.float32)
@@ -1159,12 +1163,10 @@ def test_a_single_gradient_host_pack_reports_what_it_wrote(monkeypatch, writers,
     padding, written on the host."""
     import mindspore as ms
     import numpy as np
-    from gradpool import dtypes, kernels
     from gradpool import pack as packing
     from gradpool.pool import BucketPool
     if writers == "numpy":
-        monkeypatch.setattr(kernels, "address_writer", lambda src, dst: None)
-        monkeypatch.setattr(dtypes, "_WRITERS", {})
+        _without_address_writers(monkeypatch)
     lease = BucketPool(device="CPU", alignment_bytes=4).acquire(24, getattr(ms, bucket_dtype))
     grad = ms.Tensor(np.linspace(-3, 3, 24, dtype=np.float32)).astype(getattr(ms, grad_dtype))
     written = packing.pack(lease, [grad], ReduceScatterLayout.build([(24,)], 2, 1), host=True)
@@ -1196,14 +1198,13 @@ def test_the_compiled_cast_serves_a_pack_never_an_accumulate(monkeypatch):
     must add, so it never does."""
     import mindspore as ms
     import numpy as np
-    from gradpool import dtypes, kernels
+    from gradpool import kernels
     from gradpool import pack as packing
     from gradpool.pool import BucketPool
     from npref import add_rounded, normal, round_to, values
     calls = []
     monkeypatch.setattr(kernels, "bfloat16_kernel", lambda: _reference_kernel(calls))
-    monkeypatch.setattr(kernels, "address_writer", lambda src, dst: None)
-    monkeypatch.setattr(dtypes, "_WRITERS", {})
+    _without_address_writers(monkeypatch)
     layout = ReduceScatterLayout.build([(16,)], 2, 1)
     rng = np.random.default_rng(36)
     first, second = normal(rng, (16,)), normal(rng, (16,))
