@@ -145,10 +145,21 @@ def host_address(tensor: ms.Tensor) -> Optional[int]:
     that is not contiguous, not on the CPU, empty or lazily initialized (no memory yet). Waits
     for nothing, like :func:`host_alias`, whose array starts there."""
     # init is read directly, as the deprecated has_init property does
-    if tensor.init is not None or tensor.device != "CPU" or not tensor.is_contiguous() \
+    if tensor.init is not None or tensor.device != "CPU" or not is_contiguous(tensor) \
             or tensor.numel() == 0:
         return None
-    return tensor.data_ptr()
+    return data_pointer(tensor)
+
+
+# MindSpore 2.10's Tensor.data_ptr() and is_contiguous() are Python frames around these TensorPy
+# methods; a small pack calls three of them, so it calls the methods themselves (the public
+# ones where a release has no such name).
+try:
+    from mindspore._c_expression import TensorPy as _TensorPy
+    data_pointer: Callable[[ms.Tensor], int] = _TensorPy._data_ptr
+    is_contiguous: Callable[[ms.Tensor], bool] = _TensorPy.is_contiguous
+except (ImportError, AttributeError):      # pragma: no cover - another MindSpore release
+    data_pointer, is_contiguous = ms.Tensor.data_ptr, ms.Tensor.is_contiguous
 
 
 def host_writer(src_dtype, dst_dtype) -> Optional[HostWriter]:

@@ -178,6 +178,12 @@ class ReduceScatterLayout:
         return self._identity
 
     @functools.cached_property
+    def identity_shape(self) -> Optional[tuple[int, ...]]:
+        """The one gradient's shape when :meth:`is_identity`, else None (one attribute read for
+        the single-gradient pack, which asks on every call)."""
+        return self.slots[0].shape if self._identity else None
+
+    @functools.cached_property
     def _identity(self) -> bool:
         if len(self.slots) != 1:
             return False

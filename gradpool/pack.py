@@ -26,10 +26,11 @@ rounds to nearest even like MindSpore's; its NaNs are rewritten to MindSpore's c
 (:func:`gradpool.dtypes.canonicalize_nans`, a read-only scan unless a NaN is there), so the two
 paths write the same bits (``tests/test_pack_casts.py``). One gradient whose bucket is exactly
 the flat gradient (the gradient-by-gradient reduce, a large gradient) takes a short path with
-the same checks (:func:`_put_one_on_host`): a compiled write between the gradient's and the
-bucket's addresses (:mod:`gradpool.kernels`, numba) for a same-dtype copy, bfloat16 -> float32
-and float32 -> bfloat16, streaming its stores from 8 MiB; NumPy / ml-dtypes for the other pairs
-and where numba cannot be imported (same bits, slower).
+the same checks: a pack, a compiled write between the gradient's and the bucket's addresses
+(:func:`_pack_one_at_addresses`; :mod:`gradpool.kernels`, numba) for a same-dtype copy,
+bfloat16 -> float32 and float32 -> bfloat16, streaming its stores from 8 MiB; an accumulate, the
+other pairs and a process without numba, NumPy / ml-dtypes (:func:`_put_one_on_host`; same bits,
+slower).
 """
 from __future__ import annotations
 
@@ -44,10 +45,10 @@ import numpy as np
 from mindspore import mint
 
 from gradpool.device import drain_launch_queue
-from gradpool.dtypes import (canonicalize_nans, check_dtype, compiled_cast, host_address,
-                             host_alias, host_view, host_writer, is_supported_singleton,
-                             is_whole_storage, itemsize, overwrite)
-from gradpool.errors import LayoutMismatchError, LeaseStateError
+from gradpool.dtypes import (canonicalize_nans, check_dtype, compiled_cast, data_pointer,
+                             host_alias, host_view, host_writer, is_contiguous,
+                             is_supported_singleton, is_whole_storage, itemsize, overwrite)
+from gradpool.errors import InvalidArgumentError, LayoutMismatchError, LeaseStateError
 from gradpool.layout import GradSlot, ReduceScatterLayout
 from gradpool.pool import Lease
 
@@ -65,6 +66,10 @@ def pack(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout, 
     """Write ``grads`` into ``lease`` per ``layout``: cast to the lease dtype, pad with zeros.
 
     ``host``: take the NumPy host path where it applies (CPU pool, NumPy dtypes, dim-0 shards)."""
+    if host and len(grads) == 1:
+        written = _pack_one_at_addresses(lease, grads[0], layout)
+        if written is not None:
+            return written
     return _put(lease, grads, layout, add=False, host=host)
 
 
@@ -224,6 +229,10 @@ def _check(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout
         dtype = grad.dtype
         if not is_supported_singleton(dtype):
             check_dtype(dtype)
+        if grad.init is not None:
+            raise InvalidArgumentError(
+                f"gradient {slot.index} is lazily initialized ({type(grad.init).__name__}) and "
+                "has no memory yet; call its init_data() before packing it")
     if lease.numel != layout.total_numel:
         raise LayoutMismatchError(
             f"lease holds {lease.numel} elements; the layout needs {layout.total_numel}")
@@ -262,16 +271,12 @@ def _put_one_on_host(lease: Lease, grad: ms.Tensor, layout: ReduceScatterLayout,
     is a contiguous CPU tensor of the layout's shape and a supported dtype and the lease holds
     the layout's elements; the general path then writes it or raises the precise error.
 
-    A separate path because this is the gradient-by-gradient reduce's every pack and the large
-    gradient's bandwidth path: at 1 MiB the Python around the copy runs with the caches the copy
-    evicted, and each call level it skips saves about half a microsecond there."""
+    What an accumulate of one gradient takes, and a pack whose dtype pair has no compiled
+    address writer (:func:`_pack_one_at_addresses`, tried first) or runs without numba: NumPy
+    over the two memories, fewer call levels than the general path's."""
     if grad.shape != layout.slots[0].shape or lease.numel != layout.total_numel:
         return None
     drain_launch_queue()          # as in _host_write: the producer of grad has run
-    if not add:
-        nbytes = _write_at_addresses(lease, grad)
-        if nbytes:
-            return Written(nbytes, 0, True)
     bucket = _host_bucket(lease)  # raises LeaseStateError on a released lease
     src = host_alias(grad, keep_alive=False)     # the caller holds grad while this runs
     if src is None:
@@ -288,26 +293,39 @@ def _put_one_on_host(lease: Lease, grad: ms.Tensor, layout: ReduceScatterLayout,
     return Written(layout.total_numel * bucket.dtype.itemsize, 0, True)
 
 
-def _write_at_addresses(lease: Lease, grad: ms.Tensor) -> int:
-    """Pack ``grad`` (the lease's element count) into the lease with a compiled write between
-    the two memories' addresses; the bytes written, or 0, having written nothing, when the pair
-    has no such writer or either side has no host address."""
+def _pack_one_at_addresses(lease: Lease, grad: ms.Tensor,
+                           layout: ReduceScatterLayout) -> Optional[Written]:
+    """Pack one gradient into a bucket that is exactly the flat gradient, on a CPU pool, with a
+    compiled write between the two memories' addresses (:mod:`gradpool.kernels`). None, having
+    written nothing, unless ``grad`` is a contiguous CPU tensor of the layout's shape, the lease
+    holds the layout's elements and the dtype pair has such a writer; the general path then
+    writes it or raises the precise error.
+
+    The first thing :func:`pack` tries: this is the gradient-by-gradient reduce's every pack and
+    the large gradient's bandwidth path. At 1 MiB the copy evicts the core's L2 and the Python
+    around it runs cold, so the checks are the fewest that make the write safe, in one frame."""
+    shape = layout.identity_shape           # None unless the bucket is the flat gradient
+    if shape is None or lease.numel != layout.total_numel or grad.shape != shape:
+        return None
     writer = host_writer(grad.dtype, lease.dtype)
-    if writer is None:
-        return 0
-    dst = lease.host_address()       # raises LeaseStateError on a released lease
-    src = host_address(grad)
-    if dst is None or src is None:
-        return 0
+    # A materialized CPU tensor (a lazily initialized one has no memory yet) on a CPU pool.
+    if writer is None or grad.init is not None or grad.device != "CPU" \
+            or lease.pool.device != "CPU":
+        return None
+    drain_launch_queue()          # as in _host_write: the producer of grad has run
+    dst = lease.host_address()    # raises LeaseStateError on a released lease
+    if dst is None or not is_contiguous(grad):
+        return None
+    src = data_pointer(grad)      # of the layout's shape: numel (>= 1) elements
     numel = lease.numel
     nbytes, src_nbytes = numel * writer.dst_itemsize, numel * writer.src_itemsize
     if src < dst + nbytes and dst < src + src_nbytes:
         # A gradient over its own bucket: a cast would overwrite elements it has yet to read.
         staged = np.frombuffer(ctypes.string_at(src, src_nbytes), np.uint8)
         writer.write(dst, staged.ctypes.data, numel)
-        return nbytes
-    writer.write(dst, src, numel)
-    return nbytes
+    else:
+        writer.write(dst, src, numel)
+    return Written(nbytes, 0, True)
 
 
 def _host_applies(lease: Lease) -> bool:

@@ -39,7 +39,7 @@ import mindspore as ms
 from mindspore import mint
 
 from gradpool.device import SUPPORTED_DEVICES, device_memory_bytes, device_target
-from gradpool.dtypes import (check_dtype, host_alias, is_whole_storage,
+from gradpool.dtypes import (check_dtype, data_pointer, host_alias, is_whole_storage,
                              is_supported_singleton, itemsize, nan_fill, writable_view)
 from gradpool.errors import (ForeignLeaseError, InvalidArgumentError, InvalidFenceError,
                              LeaseStateError, PoolCapacityError, check_bool, check_int)
@@ -214,8 +214,9 @@ class Lease:
         # MindSpore may give a tensor new memory (a fused all-gather's receive bucket was seen to
         # move during a forward with prefetch), so the cached array is checked against the
         # tensor's data pointer on every call and rebuilt when it moved.
-        pointer = bucket.tensor.data_ptr()
-        if bucket.host is None or bucket.host[0] != pointer:
+        pointer = data_pointer(bucket.tensor)
+        host = bucket.host
+        if host is None or host[0] != pointer:
             if self._pool.device != "CPU" or not is_whole_storage(bucket.tensor):
                 return None
             bucket.host = (pointer, host_alias(bucket.tensor, keep_alive=False))
@@ -319,13 +320,17 @@ class BucketPool:
         ``holder``: a list the lease is appended to as part of the acquire itself, so that a
         ``KeyboardInterrupt`` arriving as ``acquire`` returns cannot lose a live lease (what the
         reducer does; a plain ``lease = acquire(...)`` has that one-instruction window)."""
-        capacity = self._checked_capacity(numel, dtype)
+        # A remembered request costs one lookup (see _checked_capacity); True hashes as 1.
+        capacity = self._checked.get((numel, id(dtype), self.max_cached_bytes)) \
+            if type(numel) is int else None
+        if capacity is None:
+            capacity = self._checked_capacity(numel, dtype)
         with self._lock:
             self._reap()
             bound = self.max_buckets_in_flight
             while bound is not None and len(self._in(_FENCED, dtype)) >= bound:
                 self._wait_for(self._oldest_fenced(dtype))
-            self._adopted = []
+            self._adopted = ()          # what this acquire allocates (see _adopt)
             try:
                 bucket = self._take_free(dtype, numel)
                 if bucket is None:
@@ -428,20 +433,17 @@ class BucketPool:
                 f"max_cached_bytes={self.max_cached_bytes}; raise the cap or use smaller buckets")
 
     def _checked_capacity(self, numel, dtype) -> int:
-        """The capacity of a bucket for ``numel`` x ``dtype`` after :meth:`_check_request`;
-        remembered for requests of a supported dtype singleton (the reducer makes the same few
-        requests every step, and the checks are a fifth of an acquire's cost)."""
-        if type(numel) is not int or not is_supported_singleton(dtype):   # True hashes as 1
-            self._check_request(numel, dtype)
-            return self._capacity_for(numel, dtype)
-        key = (numel, id(dtype), self.max_cached_bytes)
-        capacity = self._checked.get(key)
-        if capacity is None:
-            self._check_request(numel, dtype)
-            capacity = self._capacity_for(numel, dtype)
+        """The capacity of a bucket for ``numel`` x ``dtype`` after :meth:`_check_request`, for a
+        request ``acquire`` has not remembered; remembered for an int ``numel`` of a supported
+        dtype singleton (the reducer makes the same few requests every step, and the checks are
+        a fifth of an acquire's cost). Only singletons, which live as long as the process, are
+        remembered, so a later request whose dtype has the same id() is that dtype."""
+        self._check_request(numel, dtype)
+        capacity = self._capacity_for(numel, dtype)
+        if type(numel) is int and is_supported_singleton(dtype):
             if len(self._checked) >= _CHECKED_REQUESTS:
                 self._checked.clear()
-            self._checked[key] = capacity
+            self._checked[(numel, id(dtype), self.max_cached_bytes)] = capacity
         return capacity
 
     def _check_cap(self, new_bytes: int, what: str) -> None:

@@ -337,6 +337,26 @@ def test_row_segments_report_a_leading_gap_of_a_hand_built_layout():
 
 
 # -- pool ----------------------------------------------------------------------------------------
+def test_acquire_remembers_only_requests_of_the_dtype_singletons():
+    """acquire remembers a checked request by the dtype's id(): only a singleton's id is that
+    dtype's for the life of the process. A twin (equal, another object) is checked on every
+    acquire and never remembered: once it is freed, a dtype object that is not supported may get
+    its id."""
+    import copy
+    import mindspore as ms
+    from gradpool.errors import UnsupportedDtypeError
+    from gradpool.pool import BucketPool
+    pool = BucketPool(device="CPU", alignment_bytes=4)
+    twin = copy.deepcopy(ms.float32)
+    pool.acquire(16, twin).release()
+    assert pool._checked == {}
+    pool.acquire(16, ms.float32).release()
+    assert list(pool._checked) == [(16, id(ms.float32), None)]
+    with pytest.raises(UnsupportedDtypeError):
+        pool.acquire(16, copy.deepcopy(ms.int32))
+    assert list(pool._checked) == [(16, id(ms.float32), None)]
+
+
 def test_second_release_names_the_released_lease():
     import mindspore as ms
     from gradpool.errors import LeaseStateError
@@ -1094,6 +1114,54 @@ def test_the_address_writers_serve_a_pack_never_an_accumulate(monkeypatch, grad_
     np.testing.assert_array_equal(values(lease.tensor),
                                   add_rounded(packed, second, bucket_dtype))
     lease.release()
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_a_lazily_initialized_gradient_is_refused_with_nothing_written(host):
+    """A gradient made with ``init=`` has no memory until init_data(): its data pointer is 0, so
+    the address path must not write from it, and every path names it instead of failing inside
+    MindSpore ("Current Tensor has no device!")."""
+    import mindspore as ms
+    import numpy as np
+    from mindspore.common.initializer import One
+    from gradpool import pack as packing
+    from gradpool.pool import BucketPool
+    from npref import values
+    lease = BucketPool(device="CPU", alignment_bytes=4).acquire(16, ms.float32)
+    layout = ReduceScatterLayout.build([(16,)], 1, 1)
+    packing.pack(lease, [ms.Tensor(np.full(16, 2.5, np.float32))], layout, host=host)
+    lazy = ms.Tensor(shape=(16,), dtype=ms.float32, init=One())
+    with pytest.raises(InvalidArgumentError, match="gradient 0 is lazily initialized"):
+        packing.pack(lease, [lazy], layout, host=host)
+    np.testing.assert_array_equal(values(lease.tensor), np.full(16, 2.5, np.float32))
+    lazy.init_data()
+    packing.pack(lease, [lazy], layout, host=host)
+    np.testing.assert_array_equal(values(lease.tensor), np.ones(16, np.float32))
+    lease.release()
+
+
+def test_a_host_pack_into_an_ascend_pool_never_drains_the_launch_queue(monkeypatch):
+    """``host_copies`` may be on with an Ascend pool: its buckets are device memory, so a pack
+    takes the device path, and draining the launch queue per pack would serialize the streams
+    that overlap backward with the reduce."""
+    import mindspore as ms
+    import numpy as np
+    from gradpool import pack as packing
+    from gradpool.pool import BucketPool
+    from npref import values
+    drains = []
+    monkeypatch.setattr(packing, "drain_launch_queue", lambda: drains.append(1))
+    layout = ReduceScatterLayout.build([(16,)], 1, 1)
+    source = np.arange(16, dtype=np.float32)
+    lease = BucketPool(device="Ascend", alignment_bytes=4).acquire(16, ms.float32)
+    assert not packing.pack(lease, [ms.Tensor(source)], layout, host=True).on_host
+    np.testing.assert_array_equal(values(lease.tensor), source)
+    assert drains == []
+    lease.release()
+    cpu_lease = BucketPool(device="CPU", alignment_bytes=4).acquire(16, ms.float32)
+    assert packing.pack(cpu_lease, [ms.Tensor(source)], layout, host=True).on_host
+    assert drains == [1]
+    cpu_lease.release()
 
 
 @pytest.mark.parametrize("writers", ["address-writers", "numpy"])

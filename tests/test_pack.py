@@ -71,9 +71,17 @@ def test_pack_reads_back_as_numpy_pack(grad_dtype, bucket_dtype, shapes, world):
                                     (ms.float32, ms.float16)])
 def test_each_path_is_taken_when_selected(copy_path, dtypes, monkeypatch):
     calls = []
-    # The host path's two entries: the single-gradient one (writes, so the general one is not
+    # The host path's entries: the address write (counted when it wrote: it declines a pair
+    # without a compiled writer), the single-gradient one (writes, so the general one is not
     # reached) and the general writer.
-    one = packing._put_one_on_host
+    at_addresses, one = packing._pack_one_at_addresses, packing._put_one_on_host
+
+    def addresses_wrote(*args):
+        written = at_addresses(*args)
+        if written is not None:
+            calls.append(args)
+        return written
+    monkeypatch.setattr(packing, "_pack_one_at_addresses", addresses_wrote)
     monkeypatch.setattr(packing, "_put_one_on_host",
                         lambda *a, **k: calls.append(a) or one(*a, **k))
     monkeypatch.setattr(packing, "_host_write", lambda *a, **k: calls.append(a))
