@@ -308,15 +308,17 @@ def _pack_one_at_addresses(lease: Lease, grad: ms.Tensor,
     if shape is None or lease.numel != layout.total_numel or grad.shape != shape:
         return None
     writer = host_writer(grad.dtype, lease.dtype)
-    # A materialized CPU tensor (a lazily initialized one has no memory yet) on a CPU pool.
-    if writer is None or grad.init is not None or grad.device != "CPU" \
-            or lease.pool.device != "CPU":
+    if writer is None or grad.device != "CPU" or lease.pool.device != "CPU":
         return None
     drain_launch_queue()          # as in _host_write: the producer of grad has run
     dst = lease.host_address()    # raises LeaseStateError on a released lease
     if dst is None or not is_contiguous(grad):
         return None
-    src = data_pointer(grad)      # of the layout's shape: numel (>= 1) elements
+    # numel (>= 1) elements: it has the layout's shape. 0 for a tensor with no memory yet (made
+    # with init=, which the general path then names).
+    src = data_pointer(grad)
+    if not src:
+        return None
     numel = lease.numel
     nbytes, src_nbytes = numel * writer.dst_itemsize, numel * writer.src_itemsize
     if src < dst + nbytes and dst < src + src_nbytes:
