@@ -6,7 +6,6 @@ speed. After timing, each case checks its result on new data against NumPy (``ru
 a copy that writes nothing fails here, also in the ``--benchmark-disable`` smoke run.
 """
 import mindspore as ms
-import pytest
 
 from benchmarks.cases import COPY_SIZES, MIB, SMALL_COUNT, copy_cases, make_copy, make_small_op
 

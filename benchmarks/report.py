@@ -222,7 +222,7 @@ def markdown(results: dict, chart_name: Optional[str] = None) -> str:
              "compared with NumPy (packs byte for byte, reduced shards against NumPy's average).",
              ""]
     lines += _copy_section(summary, chart_name) + _fixed_cost_section(summary) + \
-        _small_section(summary) + _reduce_section(results, summary)
+        _small_section(summary) + _reduce_section(results, summary) + _profile_section(results)
     return "\n".join(lines) + "\n"
 
 
@@ -326,6 +326,36 @@ def _reduce_section(results: dict, summary: dict) -> list[str]:
     for r in summary["reduce_ratios"]:
         out.append(f"| {r['world_size']} | {'on' if r['comm_fusion'] else 'off'} "
                    f"| {_ratio(r['speed_vs_zero_copy'])} |")
+    return out + [""]
+
+
+def _profile_section(results: dict) -> list[str]:
+    """The fused step's phases per rank (:mod:`benchmarks.phase_profile`), pool beside
+    zero-copy, medians; absent from files written before the profile existed."""
+    from benchmarks.phase_profile import PHASES
+    profiles = results.get("reduce_profile") or []
+    if not profiles:
+        return []
+    first = profiles[0]
+    out = ["## Where a fused reduce step's time goes, per rank", "",
+           f"{first['steps']} fused steps per method on {first['world_size']} ranks "
+           f"({first['communicator']}), pool and zero-copy interleaved, the ranks lined up by an "
+           "untimed all-reduce before every step; each phase timed on its rank's clock, medians "
+           "over the steps (phases nest: the collective, average and result write are parts of "
+           "the reduce-scatter; the step holds the rest, the wait for results and the release). "
+           "Both methods make the same calls on a fused bucket and differ in alignment only, so "
+           "a step that differs by more than its pack differs in where the peer was.", "",
+           "| rank | phase | pool | zero-copy | pool - zero-copy |",
+           "| ---: | --- | ---: | ---: | ---: |"]
+    for profile in sorted(profiles, key=lambda p: p["rank"]):
+        pool, zero_copy = profile["phases"]["pool"], profile["phases"]["zero_copy"]
+        for phase in PHASES:
+            if phase not in pool or phase not in zero_copy:
+                continue
+            a, b = pool[phase]["median_s"], zero_copy[phase]["median_s"]
+            out.append(f"| {profile['rank']} | {phase} | {_spread(pool[phase])} "
+                       f"| {_spread(zero_copy[phase])} "
+                       f"| {'-' if a < b else '+'}{time_label(abs(a - b))} |")
     return out + [""]
 
 

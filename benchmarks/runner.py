@@ -6,8 +6,10 @@ Where each suite runs:
 
 * started normally: ``copy`` and ``reduce-local`` (world size 1, SingleProcessCommunicator) run in
   this process; with ``--nproc N > 1`` the runner then starts itself on N ranks under msrun
-  (``gradpool.launch.run_ranks``) for ``reduce-dist`` only, so the copy timings never share the
-  machine with other ranks; rank 0 hands its rows back in its rank report (:mod:`gradpool.app.rank_report`).
+  (``gradpool.launch.run_ranks``) for ``reduce-dist`` and ``reduce-profile`` only (the fused
+  step's phases per rank, :mod:`benchmarks.phase_profile`), so the copy timings never share the
+  machine with other ranks; rank 0 hands its rows back in its rank report, and every rank its
+  profile (:mod:`gradpool.app.rank_report`).
 * started by msrun (``gradpool.comm.launched_by_msrun()``; e.g. ``msrun --worker_num=8 ...
   python -m benchmarks run --device Ascend --nproc 8 --out r.json`` on Ascend 910B): every rank
   runs every suite asked for on its own device (``reduce-dist`` over HCCL or MCCL through
@@ -35,7 +37,7 @@ from gradpool.device import SUPPORTED_DEVICES
 
 logger = logging.getLogger(__name__)
 
-SUITES = ("copy", "reduce-local", "reduce-dist")
+SUITES = ("copy", "reduce-local", "reduce-dist", "reduce-profile")
 SCHEMA = 2            # 2: every timing has rounds/median/IQR/stddev/min/max; git commit, versions
 BENCH_EXTRA_HINT = "pip install -e .[bench]"
 
@@ -81,8 +83,10 @@ def run(options: RunOptions) -> Optional[dict]:
         return _run_as_rank(options)
     results = _new_results(options, world_size=1)
     _run_local_suites(results, options)
-    if "reduce-dist" in options.suites and options.nproc > 1:
-        results["reduce"] += _launch_ranks(options)
+    if set(_RANK_SUITES) & set(options.suites) and options.nproc > 1:
+        ranks = _launch_ranks(options)
+        results["reduce"] += ranks["reduce"]
+        results["reduce_profile"] = ranks["reduce_profile"]
     _finish(results, options.out)
     return results
 
@@ -99,31 +103,44 @@ def _run_local_suites(results: dict, options: RunOptions, show: bool = True) -> 
         results["reduce"] += run_reduce_suite(SingleProcessCommunicator(), options.settings, show)
 
 
-def _launch_ranks(options: RunOptions) -> list:
-    """Run ``reduce-dist`` on ``options.nproc`` ranks under msrun; rank 0's reduce rows, read
-    from its rank report (``_run_as_rank`` publishes them there)."""
+_RANK_SUITES = ("reduce-dist", "reduce-profile")      # what the msrun ranks run
+
+
+def _launch_ranks(options: RunOptions) -> dict:
+    """Run the distributed suites of ``options.suites`` on ``options.nproc`` ranks under msrun:
+    ``{"reduce": rank 0's reduce rows, "reduce_profile": every rank's phase profile}``, read
+    from their rank reports (``_run_as_rank`` publishes them there)."""
     from gradpool.app import rank_report
     from gradpool.errors import LaunchError
     from gradpool.app.launch import run_ranks
 
     work = Path(tempfile.mkdtemp(prefix="gradpool-bench-"))
+    wanted = [suite for suite in _RANK_SUITES if suite in options.suites]
     args = ["run", "--device", options.device, "--nproc", str(options.nproc),
-            "--suites", "reduce-dist", "--no-progress"] + (["--quick"] if options.quick else [])
+            "--suites", ",".join(wanted), "--no-progress"] + (["--quick"] if options.quick else [])
     logger.info("starting %d ranks under msrun (logs in %s)", options.nproc, work)
     try:
         run_ranks(Path(__file__).with_name("__main__.py"), args, nproc=options.nproc,
                   log_dir=work, timeout=options.timeout)
     except LaunchError as exc:
         raise BenchmarkError(f"the {options.nproc}-rank reduce suite failed: {exc}") from None
-    report = rank_report.read_report(work, 0)
-    if report is None or "reduce" not in report.results:
+    reports = [rank_report.read_report(work, rank) for rank in range(options.nproc)]
+    if reports[0] is None or "reduce" not in reports[0].results:
         raise BenchmarkError(f"rank 0 reported no reduce rows "
                              f"({rank_report.report_path(work, 0)})")
-    return report.results["reduce"]
+    profiles = []
+    if "reduce-profile" in wanted:
+        for rank, report in enumerate(reports):
+            if report is None or "reduce_profile" not in report.results:
+                raise BenchmarkError(f"rank {rank} reported no reduce profile "
+                                     f"({rank_report.report_path(work, rank)})")
+            profiles.append(report.results["reduce_profile"])
+    return {"reduce": reports[0].results["reduce"], "reduce_profile": profiles}
 
 
 # -- as one of msrun's ranks -------------------------------------------------------------------
 def _run_as_rank(options: RunOptions) -> Optional[dict]:
+    from benchmarks.phase_profile import profile_fused_step
     from benchmarks.suites import run_reduce_suite
     from gradpool.app import rank_report
     from gradpool.comm import communicator_for, init_distributed
@@ -135,7 +152,7 @@ def _run_as_rank(options: RunOptions) -> Optional[dict]:
     results = _new_results(options, world_size=world)
     results["machine"]["copy_suite_concurrent_ranks"] = world if "copy" in options.suites else 0
     _run_local_suites(results, options, show=rank == 0)
-    if "reduce-dist" in options.suites and world > 1:
+    if set(_RANK_SUITES) & set(options.suites) and world > 1:
         if blocks_launches_by_default(options.device):
             # As `gradpool train` runs CPU ranks (launch.launch_blocking's default): with PyNative's
             # async queues, 2 ranks on 2 cores spend most of a step handing ops between threads,
@@ -143,12 +160,19 @@ def _run_as_rank(options: RunOptions) -> Optional[dict]:
             # local suites, which keep MindSpore's default; each row records the mode.
             block_launches()
         comm = communicator_for(options.device)
-        results["reduce"] += run_reduce_suite(comm, options.settings,
-                                              options.progress and rank == 0)
+        if "reduce-dist" in options.suites:
+            results["reduce"] += run_reduce_suite(comm, options.settings,
+                                                  options.progress and rank == 0)
+        if "reduce-profile" in options.suites:
+            # Last: its 2 x 300 lined-up steps must not change what the reduce suite measured.
+            # Started by msrun itself, the JSON rank 0 writes holds rank 0's profile only.
+            results["reduce_profile"] = [profile_fused_step(comm, options.settings.profile_steps)]
     # Started by _launch_ranks (gradpool.launch): the rows go back in the rank report, no file.
     reporter = rank_report.launched_reporter()
     if reporter is not None:
         reporter.publish("reduce", results["reduce"])
+        if results["reduce_profile"]:
+            reporter.publish("reduce_profile", results["reduce_profile"][0])
         return None
     if rank != 0:
         return None
@@ -224,7 +248,7 @@ def _new_results(options: RunOptions, world_size: int) -> dict:
             "command": command, "machine": machine_info(options.device, world_size),
             "options": {"device": options.device, "nproc": options.nproc, "quick": options.quick,
                         "suites": list(options.suites), **options.settings.to_dict()},
-            "copy": None, "reduce": []}
+            "copy": None, "reduce": [], "reduce_profile": []}
 
 
 def _finish(results: dict, out: Path) -> None:

@@ -26,6 +26,7 @@ class SuiteSettings:
     copy_budget: Budget = field(default_factory=Budget)
     reduce_warmup: int = 3
     reduce_repeats: int = 100
+    profile_steps: int = 300        # fused steps per method of the phase profile (N ranks)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -37,7 +38,7 @@ FULL = SuiteSettings()
 QUICK = SuiteSettings(copy_sizes=(4 * KIB, MIB),
                       copy_pairs=(("float32", "float32"), ("float32", "bfloat16")),
                       copy_budget=Budget(warmup=1, seconds=0.05, min_repeats=3, max_repeats=10),
-                      reduce_warmup=1, reduce_repeats=3)
+                      reduce_warmup=1, reduce_repeats=3, profile_steps=3)
 
 
 def _verify(run) -> None:

@@ -61,6 +61,7 @@ def test_json_structure(quick_results):
         assert row["repeats"] == row["rounds"] == QUICK.reduce_repeats
         assert row["min_s"] <= row["median_s"] <= row["max_s"] and row["iqr_s"] >= 0
         assert row["verified"] is True
+    assert data["reduce_profile"] == []         # one process: no ranks to profile
     borrowed = {(r["method"], r["comm_fusion"]): r["borrows_per_step"] for r in reduce}
     assert borrowed[("zero_copy", False)] == reduce[0]["gradients"]   # world 1: all borrowed
     assert borrowed[("pool", False)] == borrowed[("pool", True)] == 0
@@ -127,10 +128,14 @@ def test_distributed_rows_come_back_in_rank_0s_report(tmp_path, monkeypatch):
     import gradpool.device
     from gradpool.app import launch, rank_report
 
+    import benchmarks.phase_profile
     rows = [{"method": "pool", "world_size": 2, "comm_fusion": False}]
+    profile = {"rank": 0, "world_size": 2, "phases": {}}
     monkeypatch.setattr(gradpool.comm, "init_distributed", lambda: (0, 2))
     monkeypatch.setattr(gradpool.comm, "communicator_for", lambda *args, **kwargs: "comm")
     monkeypatch.setattr(benchmarks.suites, "run_reduce_suite", lambda *args: list(rows))
+    monkeypatch.setattr(benchmarks.phase_profile, "profile_fused_step",
+                        lambda comm, steps: dict(profile, steps=steps))
     monkeypatch.setattr(rank_report, "_launched", None)
     blocked = []            # the CPU ranks block op launch (process-wide: not in this process)
     monkeypatch.setattr(gradpool.device, "block_launches", lambda: blocked.append(True))
@@ -148,11 +153,25 @@ def test_distributed_rows_come_back_in_rank_0s_report(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "run_ranks", fake_run_ranks)
     options = runner.RunOptions(nproc=2, out=tmp_path / "r.json", quick=True, progress=False,
                                 suites=("reduce-dist",))
-    assert runner._launch_ranks(options) == rows
+    assert runner._launch_ranks(options) == {"reduce": rows, "reduce_profile": []}
     assert blocked == [True]
     (args, returned), = launched
     assert returned is None and "--out" not in args        # no side file: the report only
+    assert args[args.index("--suites") + 1] == "reduce-dist"
     assert not (tmp_path / "r.json").exists()
+
+    # With the profile: every rank's comes back (the fake ran rank 0 only, so rank 1 has none).
+    with_profile = runner.RunOptions(nproc=2, out=tmp_path / "r.json", quick=True,
+                                     progress=False, suites=("reduce-dist", "reduce-profile"))
+    with pytest.raises(runner.BenchmarkError, match="rank 1 reported no reduce profile"):
+        runner._launch_ranks(with_profile)
+    assert launched[-1][0][launched[-1][0].index("--suites") + 1] == "reduce-dist,reduce-profile"
+    one_rank = runner.RunOptions(nproc=1, out=tmp_path / "r.json", quick=True, progress=False,
+                                 suites=("reduce-profile",))
+    monkeypatch.setattr(launch, "run_ranks", lambda script, args, nproc, log_dir, timeout:
+                        fake_run_ranks(script, args, 2, log_dir, timeout))
+    assert runner._launch_ranks(one_rank) == {
+        "reduce": [], "reduce_profile": [dict(profile, steps=QUICK.profile_steps)]}
 
     monkeypatch.setattr(launch, "run_ranks", lambda *args, **kwargs: None)   # rank 0 wrote nothing
     with pytest.raises(runner.BenchmarkError, match="rank 0 reported no reduce rows"):
@@ -231,3 +250,52 @@ def test_every_ratio_compares_two_sides_timed_together(quick_results):
             by_key[("memcpy", *key)]["median_s"] / by_key[("pool", *key)]["median_s"])
     fixed = data["summary"]["copy_by_pair"]["float32->float32"]
     assert fixed["pack_4KiB_beside_fresh_alloc_us"]["median"] > 0
+
+
+def test_the_fused_step_profile_times_each_phase_inside_the_step():
+    """World 1 in this process (the N-rank profile runs in ``gradpool bench --nproc N``): every
+    phase the communicator has is timed, inside the step, per method; the wrapped methods are
+    the instances' own again afterwards; the report shows the phases with the signed gap."""
+    import mindspore as ms
+    from benchmarks.phase_profile import PHASES, profile_fused_step
+    from gradpool.comm import SingleProcessCommunicator
+    ms.set_device("CPU")
+    comm = SingleProcessCommunicator()
+    before = dict(vars(comm))
+    profile = profile_fused_step(comm, steps=5, warmup=1)
+    assert vars(comm) == before
+    assert (profile["world_size"], profile["rank"], profile["steps"]) == (1, 0, 5)
+    assert set(profile["phases"]) == set(REDUCE_METHODS)
+    for method, phases in profile["phases"].items():
+        # SingleProcessCommunicator has no _run/_average/_finish: those phases are left out
+        assert set(phases) == {"step", "pack", "reduce-scatter"}, method
+        for phase, timing in phases.items():
+            assert timing["rounds"] == 5 and timing["min_s"] > 0, (method, phase)
+            assert timing["mean_s"] < phases["step"]["mean_s"] or phase == "step"
+    section = report._profile_section({"reduce_profile": [profile]})
+    assert section[0] == "## Where a fused reduce step's time goes, per rank"
+    rows = [line for line in section if line.startswith("| 0 |")]
+    assert [row.split(" | ")[1] for row in rows] == [p for p in PHASES if p in
+                                                     profile["phases"]["pool"]]
+    assert all(row.split(" | ")[-1].rstrip(" |")[0] in "+-" for row in rows)
+    assert report._profile_section({}) == []    # a file written before the profile existed
+
+
+def test_a_timed_phase_restores_an_instance_attribute_it_covered():
+    from benchmarks.phase_profile import PHASES, _PhaseClock, _timing
+
+    class Thing:
+        def work(self):
+            return "class"
+    thing = Thing()
+    thing.work = lambda: "own"
+    clock = _PhaseClock()
+    with _timing(clock, thing, "work", "pack"), _timing(clock, thing, "absent", "average"):
+        clock.step("m", thing.work)
+    assert thing.work() == "own" and not hasattr(thing, "absent")
+    assert set(clock.samples["m"]) == set(PHASES)
+    assert clock.samples["m"]["pack"][0] > 0 and clock.samples["m"]["average"] == [0.0]
+    plain = Thing()
+    with _timing(clock, plain, "work", "pack"):
+        assert "work" in vars(plain)
+    assert "work" not in vars(plain) and plain.work() == "class"
