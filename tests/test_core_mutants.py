@@ -347,14 +347,21 @@ def test_acquire_remembers_only_requests_of_the_dtype_singletons():
     from gradpool.errors import UnsupportedDtypeError
     from gradpool.pool import BucketPool
     pool = BucketPool(device="CPU", alignment_bytes=4)
+    checks = []
+    check_request = pool._check_request
+    pool._check_request = lambda numel, dtype: checks.append(numel) or check_request(numel,
+                                                                                      dtype)
     twin = copy.deepcopy(ms.float32)
     pool.acquire(16, twin).release()
     assert pool._checked == {}
     pool.acquire(16, ms.float32).release()
-    assert list(pool._checked) == [(16, id(ms.float32), None)]
+    assert pool._checked == {(16, id(ms.float32), None): 16}
+    lease = pool.acquire(16, ms.float32)        # remembered: not checked again
+    assert lease.tensor.shape == (16,) and checks == [16, 16]
+    lease.release()
     with pytest.raises(UnsupportedDtypeError):
         pool.acquire(16, copy.deepcopy(ms.int32))
-    assert list(pool._checked) == [(16, id(ms.float32), None)]
+    assert pool._checked == {(16, id(ms.float32), None): 16}
 
 
 def test_second_release_names_the_released_lease():
@@ -1131,8 +1138,10 @@ def test_a_lazily_initialized_gradient_is_refused_with_nothing_written(host):
     layout = ReduceScatterLayout.build([(16,)], 1, 1)
     packing.pack(lease, [ms.Tensor(np.full(16, 2.5, np.float32))], layout, host=host)
     lazy = ms.Tensor(shape=(16,), dtype=ms.float32, init=One())
-    with pytest.raises(InvalidArgumentError, match="gradient 0 is lazily initialized"):
+    with pytest.raises(InvalidArgumentError) as err:
         packing.pack(lease, [lazy], layout, host=host)
+    assert str(err.value) == ("gradient 0 is lazily initialized (One) and has no memory yet; "
+                              "call its init_data() before packing it")
     np.testing.assert_array_equal(values(lease.tensor), np.full(16, 2.5, np.float32))
     lazy.init_data()
     packing.pack(lease, [lazy], layout, host=host)
@@ -1164,12 +1173,16 @@ def test_a_host_pack_into_an_ascend_pool_never_drains_the_launch_queue(monkeypat
     cpu_lease.release()
 
 
+@pytest.mark.parametrize("numel", [32, 31])
 @pytest.mark.parametrize("writers", ["address-writers", "numpy"])
-def test_a_gradient_over_its_own_bucket_is_read_before_it_is_overwritten(monkeypatch, writers):
+def test_a_gradient_over_its_own_bucket_is_read_before_it_is_overwritten(monkeypatch, writers,
+                                                                         numel):
     """A gradient whose memory overlaps the bucket (a bfloat16 tensor over the first half of a
     float32 bucket) is cast from a copy, by the address writer and by NumPy alike: widening in
     place would overwrite gradient elements 2i and 2i + 1 with element i before reading them
-    (NumPy buffers an overlapping 1-D copy only for negative strides)."""
+    (NumPy buffers an overlapping 1-D copy only for negative strides). The copy is of all the
+    gradient's bytes: zero bytes early in it (2.0 and 0.0 as bfloat16), and an odd length
+    (62 bytes, no whole number of 8-byte words)."""
     import mindspore as ms
     import numpy as np
     from gradpool import pack as packing
@@ -1179,14 +1192,16 @@ def test_a_gradient_over_its_own_bucket_is_read_before_it_is_overwritten(monkeyp
     _recorded_address_writers(monkeypatch, calls)
     if writers == "numpy":
         _without_address_writers(monkeypatch)
-    lease = BucketPool(device="CPU", alignment_bytes=4).acquire(32, ms.float32)
-    halves = np.frombuffer((ctypes.c_char * 64).from_address(lease.host_address()), np.int16)
-    source = np.random.default_rng(38).standard_normal(32).astype(np.float32)
+    lease = BucketPool(device="CPU", alignment_bytes=4).acquire(numel, ms.float32)
+    halves = np.frombuffer((ctypes.c_char * (2 * numel)).from_address(lease.host_address()),
+                           np.int16)
+    source = np.random.default_rng(38).standard_normal(numel).astype(np.float32)
+    source[1], source[5] = 2.0, 0.0
     halves[:] = (source.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
     grad = ms.from_numpy(halves).view(ms.bfloat16)
     assert grad.data_ptr() == lease.host_address()
-    packing.pack(lease, [grad], ReduceScatterLayout.build([(32,)], 1, 1), host=True)
-    assert calls == ([("bfloat16", "float32", 32)] if writers == "address-writers" else [])
+    packing.pack(lease, [grad], ReduceScatterLayout.build([(numel,)], 1, 1), host=True)
+    assert calls == ([("bfloat16", "float32", numel)] if writers == "address-writers" else [])
     want = ((source.view(np.uint32) >> 16) << 16).view(np.float32)
     np.testing.assert_array_equal(values(lease.tensor), want)
     lease.release()
