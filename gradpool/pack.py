@@ -45,9 +45,9 @@ import numpy as np
 from mindspore import mint
 
 from gradpool.device import drain_launch_queue
-from gradpool.dtypes import (canonicalize_nans, check_dtype, compiled_cast, data_pointer,
-                             host_alias, host_view, host_writer, is_contiguous,
-                             is_supported_singleton, is_whole_storage, itemsize, overwrite)
+from gradpool.dtypes import (canonicalize_nans, check_dtype, compiled_cast, host_address,
+                             host_alias, host_view, host_writer, is_supported_singleton,
+                             is_whole_storage, itemsize, overwrite)
 from gradpool.errors import InvalidArgumentError, LayoutMismatchError, LeaseStateError
 from gradpool.layout import GradSlot, ReduceScatterLayout
 from gradpool.pool import Lease
@@ -303,21 +303,18 @@ def _pack_one_at_addresses(lease: Lease, grad: ms.Tensor,
 
     The first thing :func:`pack` tries: this is the gradient-by-gradient reduce's every pack and
     the large gradient's bandwidth path. At 1 MiB the copy evicts the core's L2 and the Python
-    around it runs cold, so the checks are the fewest that make the write safe, in one frame."""
+    around it runs cold, so it makes only the checks that make the write safe, the gradient's
+    memory as :func:`gradpool.dtypes.host_address` finds it (materialized, CPU, contiguous)."""
     shape = layout.identity_shape           # None unless the bucket is the flat gradient
     if shape is None or lease.numel != layout.total_numel or grad.shape != shape:
         return None
     writer = host_writer(grad.dtype, lease.dtype)
-    if writer is None or grad.device != "CPU" or lease.pool.device != "CPU":
+    if writer is None or lease.pool.device != "CPU":
         return None
     drain_launch_queue()          # as in _host_write: the producer of grad has run
     dst = lease.host_address()    # raises LeaseStateError on a released lease
-    if dst is None or not is_contiguous(grad):
-        return None
-    # numel (>= 1) elements: it has the layout's shape. 0 for a tensor with no memory yet (made
-    # with init=, which the general path then names).
-    src = data_pointer(grad)
-    if not src:
+    src = host_address(grad)      # None for a tensor with no memory yet: the general path names it
+    if dst is None or src is None:
         return None
     numel = lease.numel
     nbytes, src_nbytes = numel * writer.dst_itemsize, numel * writer.src_itemsize
