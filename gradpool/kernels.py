@@ -28,6 +28,9 @@ _NO_NUMBA = ("numba cannot be imported (%s): host casts fall back to NumPy and m
 # the 2-core AMD machine: its non_temporal_threshold).
 STREAM_FROM_BYTES = 8 << 20
 _STREAM_LANES = 16          # elements per vector store: 32 bytes, one AVX2 register
+_PAGE_BYTES = 4096
+_STREAM_PAGES = 4           # pages a streaming copy walks at once (8 streams were 3-4x slower)
+_STREAM_BLOCK = _STREAM_PAGES * _PAGE_BYTES
 
 
 @functools.lru_cache(maxsize=1)
@@ -237,11 +240,23 @@ def _address_writers():  # pragma: no mutate block
         if nbytes < stream_from_bytes or (src < dst + nbytes and dst < src + nbytes):
             move_bytes(dst, src, nbytes)
             return
-        head = min(nbytes, (32 - (dst & 31)) & 31)     # up to the first 32-byte line
+        # Up to the first cache line: the blocks below fill whole lines one at a time, and a
+        # line they filled in two halves far apart in time would be flushed half-written.
+        head = min(nbytes, (64 - (dst & 63)) & 63)
         move_bytes(dst, src, head)
-        end = head + (nbytes - head) // 32 * 32
-        for at in range(head, end, 32):
-            stream_line(dst + at, src + at)
+        # Blocks of _STREAM_PAGES pages, one 64-byte line of each page in turn: that many read
+        # and write streams in flight, each within one page (one stream: 256 MiB in 27.4 ms on
+        # the 2-core Intel machine, glibc's memcpy 24.0 ms, this 22.3 ms; measured in C).
+        at = head
+        while at + _STREAM_BLOCK <= nbytes:
+            for line in range(at, at + _PAGE_BYTES, 64):
+                for page in range(line, line + _STREAM_BLOCK, _PAGE_BYTES):
+                    stream_line(dst + page, src + page)
+                    stream_line(dst + page + 32, src + page + 32)
+            at += _STREAM_BLOCK
+        end = at + (nbytes - at) // 32 * 32
+        for line in range(at, end, 32):
+            stream_line(dst + line, src + line)
         move_bytes(dst + end, src + end, nbytes - end)
         store_fence()
 

@@ -266,15 +266,16 @@ def test_float32_to_bfloat16_without_the_compiled_cast(monkeypatch):
     np.testing.assert_array_equal(got, rne_bfloat16(words))
 
 
-@pytest.mark.parametrize("length", [1, 3, 16, 17, 4099])
-@pytest.mark.parametrize("offset", [0, 1, 5], ids=lambda o: f"{o}-elements-past-a-32-byte-line")
+@pytest.mark.parametrize("length", [1, 3, 16, 17, 4099, 16411])
+@pytest.mark.parametrize("offset", [0, 1, 5, 9], ids=lambda o: f"{o}-elements-past-a-64-byte-line")
 @pytest.mark.parametrize("src_name,dst_name", [
     ("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"),
     ("bfloat16", "float32"), ("float32", "bfloat16")])
 def test_address_writer_writes_exactly_its_elements(src_name, dst_name, length, offset, store):
-    """Each compiled address writer, at any length, with its output anywhere in a 32-byte line
-    (the streaming stores start at the first line boundary) and either store kind: the bits of
-    the integer references, and no byte before or after the output written."""
+    """Each compiled address writer, at any length, with its output anywhere in a 64-byte cache
+    line (the streaming stores start at the first line boundary) and either store kind: the bits
+    of the integer references, and no byte before or after the output written. 16,411 elements
+    are several blocks of the streaming copy's four pages (16 KiB each) and a tail."""
     from gradpool.kernels import address_writer
     write = address_writer(src_name, dst_name)
     assert write is not None
@@ -285,9 +286,9 @@ def test_address_writer_writes_exactly_its_elements(src_name, dst_name, length, 
         source = np.resize(all_16bit_patterns()[::-7], length)
         want = source if dst_name == src_name else source.astype(np.uint32) << 16
     want = np.ascontiguousarray(want)
-    backing = np.full(length + 64 // want.itemsize, 0x5A5A, want.dtype)
-    start = offset + (-backing.ctypes.data % 32) // want.itemsize
-    assert (backing.ctypes.data + start * want.itemsize) % 32 == offset * want.itemsize
+    backing = np.full(length + 128 // want.itemsize, 0x5A5A, want.dtype)
+    start = offset + (-backing.ctypes.data % 64) // want.itemsize
+    assert (backing.ctypes.data + start * want.itemsize) % 64 == offset * want.itemsize
     write(backing[start:].ctypes.data, np.ascontiguousarray(source).ctypes.data, length)
     np.testing.assert_array_equal(backing[start:start + length], want)
     assert (np.delete(backing, np.arange(start, start + length)) == 0x5A5A).all()
