@@ -20,13 +20,20 @@ _NO_NUMBA = ("numba cannot be imported (%s): host casts fall back to NumPy and m
              "bits, several times slower; pip install 'numba>=0.60,<0.69'")
 
 
-# From this many bytes written on, the compiled cast and copy store with non-temporal (streaming)
-# stores: a store that misses the cache otherwise reads its line first (read-for-ownership), so
-# an ordinary cast moves 4 + 2 + 2 bytes per element where a streaming one moves 4 + 2. Below
-# it the bucket fits the caches the collective reads it from next. glibc's memcpy, the
-# benchmark reference, switches to such stores itself only for large copies (from 192 MiB on
-# the 2-core AMD machine: its non_temporal_threshold).
+# From this many bytes written on, the compiled float32 -> bfloat16 cast stores with non-temporal
+# (streaming) stores: a store that misses the cache otherwise reads its line first
+# (read-for-ownership), so an ordinary cast moves 4 + 2 + 2 bytes per element where a streaming
+# one moves 4 + 2. Streaming won at every size measured on the 2-core Intel machine (4 MiB in:
+# 0.68 of a memcpy of the bytes written against 0.60; 64 MiB: 0.60 against 0.43).
 STREAM_FROM_BYTES = 8 << 20
+# From this many bytes on, the compiled same-dtype copy streams its stores. Below it the copy is
+# glibc's memmove, whose `rep movsb` keeps the bucket in the caches the collective reads it from
+# next, and is as fast as streaming while source and bucket fit the last-level cache: on the
+# Intel machine the two met at 16-20 MiB (memmove 1.00 of NumPy's memcpy at 16 MiB, streaming
+# 0.96; at 24 MiB 1.04 against 1.48). glibc streams only from its non_temporal_threshold (190 MiB
+# on the Intel machine, 192 MiB on the AMD one, where streaming already won at 16 MiB: 1.8-1.9
+# against 3.1-3.3 ms).
+COPY_STREAM_FROM_BYTES = 24 << 20
 _STREAM_LANES = 16          # elements per vector store: 32 bytes, one AVX2 register
 _PAGE_BYTES = 4096
 _STREAM_PAGES = 4           # pages a streaming copy walks at once (8 streams were 3-4x slower)
@@ -177,16 +184,18 @@ def address_writer(src_dtype: str, dst_dtype: str) -> Optional[Callable[[int, in
     has: a same-dtype copy (the ranges may overlap), bfloat16 -> float32 (exact: the bits
     shifted into the high half, NaN payloads kept, as MindSpore widens) and float32 ->
     bfloat16 (:func:`bfloat16_kernel`; the two ranges must not overlap). None for any other
-    pair, or without numba. The copy and the narrowing store with streaming stores from
-    :data:`STREAM_FROM_BYTES` written, as read when the writer is called.
+    pair, or without numba. The copy stores with streaming stores from
+    :data:`COPY_STREAM_FROM_BYTES` written, the narrowing from :data:`STREAM_FROM_BYTES`, as read
+    when the writer is called.
 
     Why addresses: a single-gradient pack of 4 KiB costs a few microseconds of Python around a
     sub-microsecond copy, and building the two NumPy arrays over the memory was the largest part
     of it (~1-4 us each); a compiled call with integer arguments dispatches in ~0.3 us. Why a
-    compiled copy and not memcpy: glibc's memcpy streams only from 192 MiB on the 2-core AMD
-    machine, so from 8 to 192 MiB it reads each destination line before overwriting it (measured
-    there, NumPy's memcpy against this copy: 16 MiB 3.1-3.3 ms against 1.8-1.9 ms; 64 MiB
-    14.6-16.1 against 9.4-9.6 ms; 256 MiB 45-46 ms both)."""
+    compiled copy and not memcpy: glibc's memcpy streams only from 190-192 MiB on the 2-core
+    machines, so up to there a copy larger than the cache reads each destination line before
+    overwriting it (NumPy's memcpy against this copy, on the Intel machine: 32 MiB 4.4 against
+    2.4 ms, 64 MiB 9.4 against 5.0 ms; on the AMD machine 64 MiB 14.6-16.1 against 9.4-9.6
+    ms), and from there on it walks four pages at once as this copy does."""
     writers = _address_writers()
     return None if writers is None else writers.get((src_dtype, dst_dtype))
 
@@ -262,7 +271,7 @@ def _address_writers():  # pragma: no mutate block
 
     def copier(width):
         def copy(dst: int, src: int, numel: int) -> None:
-            copy_bytes(dst, src, numel * width, STREAM_FROM_BYTES)
+            copy_bytes(dst, src, numel * width, COPY_STREAM_FROM_BYTES)
         return copy
 
     @numba.njit(nogil=True, cache=False)

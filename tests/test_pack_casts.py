@@ -191,11 +191,13 @@ def test_no_floating_point_warning_for_any_pattern(grad_dtype, bucket_dtype, wor
 
 @pytest.fixture(params=["ordinary", "streaming"])
 def store(request, monkeypatch):
-    """The compiled cast's two store kinds: below ``STREAM_FROM_BYTES`` ordinary stores, from it
-    on non-temporal vector stores (set to 0 here, so small outputs take that path too)."""
+    """The compiled writers' two store kinds: below ``STREAM_FROM_BYTES`` (the cast) and
+    ``COPY_STREAM_FROM_BYTES`` (the copy) ordinary stores, from there on non-temporal vector
+    stores (both set to 0 here, so small outputs take that path too)."""
     if request.param == "streaming":
         from gradpool import kernels
         monkeypatch.setattr(kernels, "STREAM_FROM_BYTES", 0)
+        monkeypatch.setattr(kernels, "COPY_STREAM_FROM_BYTES", 0)
     return request.param
 
 
