@@ -142,11 +142,16 @@ def host_view(tensor: ms.Tensor) -> np.ndarray:
 
 def host_address(tensor: ms.Tensor) -> Optional[int]:
     """Where a contiguous CPU ``tensor``'s memory starts (its data pointer); None for a tensor
-    that is not contiguous, not on the CPU, empty or lazily initialized (no memory yet). Waits
-    for nothing, like :func:`host_alias`, whose array starts there."""
-    # init is read directly, as the deprecated has_init property does
+    that is not contiguous, not on the CPU, empty or lazily initialized (no memory yet).
+
+    MindSpore's device and data-pointer reads wait for its forward queues (``WaitForward``: not
+    the bprop stage, nor any rethrown error a full wait reports), so drain the launch queue
+    first (``gradpool.device.drain_launch_queue``), as the host paths do, where queued ops may
+    still write the tensor."""
+    # init is read directly, as the deprecated has_init property does; _size is what numel()
+    # returns, without its Python frame
     if tensor.init is not None or tensor.device != "CPU" or not is_contiguous(tensor) \
-            or tensor.numel() == 0:
+            or tensor._size == 0:
         return None
     return data_pointer(tensor)
 

@@ -204,10 +204,7 @@ class _BorrowFence:
 def _check_tensors(grads: Sequence[ms.Tensor]) -> None:
     """Every gradient a MindSpore tensor of a supported dtype (before any bucket is leased)."""
     for index, grad in enumerate(grads):
-        if not isinstance(grad, ms.Tensor):
-            raise InvalidArgumentError(
-                f"gradient {index} is a {type(grad).__name__}, not a mindspore Tensor; convert "
-                "it with mindspore.Tensor(...)")
+        packing.check_tensor(index, grad)
         check_dtype(grad.dtype)
 
 

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gradpool import pack as packing
-from gradpool.errors import (ForeignLeaseError, LayoutMismatchError, LeaseStateError,
-                             UnsupportedDtypeError)
+from gradpool.errors import (ForeignLeaseError, InvalidArgumentError, LayoutMismatchError,
+                             LeaseStateError, UnsupportedDtypeError)
 from gradpool.layout import GradSlot, ReduceScatterLayout
 from gradpool.comm import SingleProcessCommunicator
 from gradpool.pool import BucketPool
@@ -224,6 +224,24 @@ def test_bad_pack_raises_and_leaves_stats(case):
         call(leases, grads)
     assert needle in str(err.value)
     assert pool.stats() == before
+
+
+@pytest.mark.parametrize("write", ["pack", "accumulate"])
+@pytest.mark.parametrize("bad", [np.ones(4, np.float32), [1.0] * 4, None],
+                         ids=["ndarray", "list", "None"])
+def test_a_gradient_that_is_no_tensor_is_refused_by_type_with_the_bucket_unchanged(write, bad):
+    """One gradient into a bucket that is exactly the flat gradient: the layout the
+    single-gradient fast paths take, which read the tensor's own attributes first."""
+    pool = BucketPool(alignment_bytes=4)
+    layout = ReduceScatterLayout.build([(4,)], 1, 1)
+    lease = pool.acquire(4, ms.float32)
+    pack(lease, [ms.Tensor(np.full(4, 2.5, np.float32))], layout)
+    with pytest.raises(InvalidArgumentError) as err:
+        (pack if write == "pack" else accumulate)(lease, [bad], layout)
+    assert str(err.value) == (f"gradient 0 is a {type(bad).__name__}, not a mindspore Tensor; "
+                              "convert it with mindspore.Tensor(...)")
+    np.testing.assert_array_equal(values(lease.tensor), np.full(4, 2.5, np.float32))
+    lease.release()
 
 
 def test_foreign_lease_is_refused():
