@@ -207,7 +207,8 @@ def markdown(results: dict, chart_name: Optional[str] = None) -> str:
              "- Timing: warm-up, then repeated timed rounds (copy cases: rounds fitted to "
              f"~{opts['copy_budget']['seconds']:g} s per case, "
              f"{opts['copy_budget']['min_repeats']}-{opts['copy_budget']['max_repeats']}; "
-             f"reduce steps: {opts['reduce_warmup']} warm-up + {opts['reduce_repeats']} timed). "
+             f"reduce steps: {opts['reduce_warmup']} warm-up + {opts['reduce_repeats']} timed"
+             f"{_fused_repeats(opts)}). "
              "The two sides of every copy ratio are timed interleaved, one call of each per "
              "round, so a ratio compares calls made under the same machine load: pool, memcpy "
              "and zero-copy share one set of rounds; the fresh allocation (MindSpore kernels and "
@@ -224,6 +225,12 @@ def markdown(results: dict, chart_name: Optional[str] = None) -> str:
     lines += _copy_section(summary, chart_name) + _fixed_cost_section(summary) + \
         _small_section(summary) + _reduce_section(results, summary) + _profile_section(results)
     return "\n".join(lines) + "\n"
+
+
+def _fused_repeats(opts: dict) -> str:
+    """The fused steps' round count where it differs (result files before it was set have none)."""
+    fused = opts.get("fused_reduce_repeats")
+    return "" if fused in (None, opts["reduce_repeats"]) else f" ({fused} with comm_fusion)"
 
 
 def _copy_section(summary: dict, chart_name: Optional[str]) -> list[str]:

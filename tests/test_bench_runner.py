@@ -58,7 +58,8 @@ def test_json_structure(quick_results):
         assert row["new_allocations_first_step"] > 0
         assert row["new_allocations_after_first"] == 0, row
         assert row["high_water_bytes"] > 0 and row["live_leases_after"] == 0
-        assert row["repeats"] == row["rounds"] == QUICK.reduce_repeats
+        assert row["repeats"] == row["rounds"] == (
+            QUICK.fused_reduce_repeats if row["comm_fusion"] else QUICK.reduce_repeats)
         assert row["min_s"] <= row["median_s"] <= row["max_s"] and row["iqr_s"] >= 0
         assert row["verified"] is True
     assert data["reduce_profile"] == []         # one process: no ranks to profile
@@ -101,6 +102,7 @@ def test_report_writes_markdown_and_png(quick_results, tmp_path):
         assert heading in text
     assert "| float32 -> float32 | 1 MiB |" in text
     assert "higher is better" in text and "IQR" in text and "ml-dtypes" in text
+    assert "reduce steps: 1 warm-up + 3 timed (4 with comm_fusion)" in text
 
 
 def test_report_command_line(quick_results, tmp_path, capsys):
