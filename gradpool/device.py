@@ -76,11 +76,11 @@ def drain_launch_queue() -> None:
 @functools.lru_cache(maxsize=1)
 def _pipeline_wait():
     # MindSpore's wait for its four PyNative stages (frontend, bprop, backend, launch; each
-    # rethrows an op's failure), which is what the executor's sync does on CPU, where there is
-    # no stream to synchronize, without its exception wrapper and profiler step. Inside a pack,
-    # after the copy of the last one evicted the core's caches, the sync cost 10 us more than
-    # this wait (1 MiB float32, 600 interleaved rounds on the 2-core Intel machine: 104 against
-    # 94 us a pack). Imported once: an import statement costs ~0.7 us a call.
+    # rethrows an op's failure): the waits the executor's sync makes on CPU, where there is no
+    # stream to synchronize, without the rest of the executor around them. Inside a pack,
+    # after the copy of the last one evicted the core's caches, the sync cost 3-10 us more than
+    # this wait (1 MiB float32, 600 interleaved rounds, three runs on the 2-core Intel machine:
+    # 93-104 against 90-94 us a pack). Imported once: an import statement costs ~0.7 us a call.
     try:
         from mindspore._c_expression import _wait_pipeline
         return _wait_pipeline
