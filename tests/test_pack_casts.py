@@ -296,6 +296,28 @@ def test_address_writer_writes_exactly_its_elements(src_name, dst_name, length, 
     assert (np.delete(backing, np.arange(start, start + length)) == 0x5A5A).all()
 
 
+@pytest.mark.parametrize("src_offset", [0, 4, 64, 2944, 4092], ids=lambda o: f"source-{o}-into-a-page")
+@pytest.mark.parametrize("dst_offset", [0, 4, 36], ids=lambda o: f"bucket-{o}-into-a-line")
+@pytest.mark.parametrize("name", ["float32", "bfloat16"])
+def test_streaming_copy_from_anywhere_in_a_page_to_anywhere_in_a_line(name, src_offset,
+                                                                       dst_offset, monkeypatch):
+    """The streaming copy's head brings the source to a page boundary and the bucket to a cache
+    line before its four-page blocks: every byte arrives, none outside the bucket is written,
+    wherever the two start (several blocks and a tail: 24,603 x 4 or 49,206 x 2 bytes)."""
+    from gradpool import kernels
+    monkeypatch.setattr(kernels, "COPY_STREAM_FROM_BYTES", 0)
+    write = kernels.address_writer(name, name)
+    nbytes = 98412
+    source = np.frombuffer(np.random.default_rng(3).bytes(nbytes + 8192), np.uint8)
+    src = source[(-source.ctypes.data % 4096) + src_offset:][:nbytes]
+    backing = np.full(nbytes + 256, 0xA5, np.uint8)
+    start = (-backing.ctypes.data % 64) + 64 + dst_offset
+    width = 4 if name == "float32" else 2
+    write(backing.ctypes.data + start, src.ctypes.data, nbytes // width)
+    np.testing.assert_array_equal(backing[start:start + nbytes], src)
+    assert (backing[:start] == 0xA5).all() and (backing[start + nbytes:] == 0xA5).all()
+
+
 def test_no_address_writer_for_a_pair_without_one():
     from gradpool.kernels import address_writer
     assert address_writer("float16", "float32") is None
