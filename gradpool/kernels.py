@@ -253,8 +253,9 @@ def _address_writers():  # pragma: no mutate block
         # a cache line. Lines: the blocks below fill whole lines one at a time, and a line they
         # filled in two halves far apart in time would be flushed half-written (16 MiB took
         # 1.89 ms so, 1.26 ms with one stream). Pages: each read stream then keeps to one page
-        # but for its last line, where the hardware prefetcher follows it (256 MiB from 2,048-2,944 bytes into a page:
-        # 23.5-24.2 ms with the blocks on the bucket's lines alone, 21.9 ms so, memcpy 21.9 ms).
+        # but for its last line, where the hardware prefetcher follows it (256 MiB from
+        # 2,048-2,944 bytes into a page: 23.5-24.2 ms with the blocks on the bucket's lines
+        # alone, 21.9 ms so, memcpy 21.9 ms).
         head = (_PAGE_BYTES - (src & (_PAGE_BYTES - 1))) & (_PAGE_BYTES - 1)
         head = min(nbytes, head + ((64 - ((dst + head) & 63)) & 63))
         move_bytes(dst, src, head)
