@@ -296,7 +296,8 @@ def test_address_writer_writes_exactly_its_elements(src_name, dst_name, length, 
     assert (np.delete(backing, np.arange(start, start + length)) == 0x5A5A).all()
 
 
-@pytest.mark.parametrize("src_offset", [0, 4, 64, 2944, 4092], ids=lambda o: f"source-{o}-into-a-page")
+@pytest.mark.parametrize("src_offset", [0, 4, 64, 2944, 4092],
+                         ids=lambda o: f"source-{o}-into-a-page")
 @pytest.mark.parametrize("dst_offset", [0, 4, 36], ids=lambda o: f"bucket-{o}-into-a-line")
 @pytest.mark.parametrize("name", ["float32", "bfloat16"])
 def test_streaming_copy_from_anywhere_in_a_page_to_anywhere_in_a_line(name, src_offset,
