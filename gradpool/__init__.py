@@ -10,8 +10,8 @@ What users (and ``hyper_parallel``) import::
     result.release()                # output buckets back to the pool
 
 Layers, bottom up (``tests/test_architecture.py`` keeps the arrows pointing down):
-``errors``, ``layout`` (pure Python) and ``dtypes``, ``device`` -> ``pool`` | ``comm``
-(siblings) -> ``pack`` -> ``reducer`` -> ``runtime`` -> ``testing``; ``hyper_parallel`` and
+``errors``, ``layout`` (pure Python) and ``dtypes``, ``device`` -> ``pool`` | ``comm`` |
+``gathered`` (siblings) -> ``pack`` -> ``reducer`` -> ``runtime`` -> ``testing``; ``hyper_parallel`` and
 ``gradpool.app`` (model, training job, YAML config, CLI, msrun launcher) sit on top.
 
 Names resolve on first use, so ``import gradpool.layout`` stays free of MindSpore.
@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "gradpool.pool": ("BucketPool", "Lease", "PoolStats", "Fence", "fence_done", "as_fence"),
     "gradpool.layout": ("ReduceScatterLayout", "GradSlot"),
+    "gradpool.gathered": ("GatheredParam", "GatheredStats"),
     "gradpool.pack": ("chunk_rows", "local_shard", "unshard", "shard_views", "flat_view",
                       "unpack_gathered", "Written"),
     "gradpool.reducer": ("GradReducer", "ReducerConfig", "ReduceResult", "PackedBucket"),

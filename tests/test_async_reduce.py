@@ -23,7 +23,7 @@ from gradpool.errors import CommError, InvalidArgumentError
 from gradpool.runtime import runtime_for
 from gradpool.testing import FaultInjectingCommunicator
 from hyper_parallel import hsdp_sync_stream
-from hyper_parallel.platform.mindspore.fully_shard import state as unit_state
+from hyper_parallel.platform.mindspore.fully_shard.runtime import RUNTIME
 
 ms.set_device("CPU")
 FIELD = ["fully_shard.reduce_dtype=float32", "fully_shard.apply_grad_on_fp32_main_grad=true",
@@ -50,7 +50,7 @@ def comms():
     """``install(wrap)``: every runtime built afterwards gets ``wrap(communicator)``."""
     with contextlib.ExitStack() as stack:
         yield lambda wrap: stack.enter_context(harness.wrapped_communicators(wrap))
-    unit_state._IN_FLIGHT.clear()      # a failed test must not leak units into the next
+    RUNTIME.in_flight.clear()      # a failed test must not leak units into the next
 
 
 def late(inner):
@@ -104,7 +104,7 @@ def test_non_root_backward_returns_before_its_collective_completed(comms, async_
     stats = [(u.async_stats.launched, u.async_stats.returned_in_flight, u.async_stats.finished)
              for u in _non_root_units(model)]
     assert stats == ([(1, 1, 1)] * 2 if async_reduce else [(0, 0, 0)] * 2)
-    assert not unit_state._IN_FLIGHT
+    assert not RUNTIME.in_flight
     for param, want in zip(model.trainable_params(), _reference_grads(cfg)):
         np.testing.assert_array_equal(param.main_grad.asnumpy(), want, err_msg=param.name)
 
@@ -115,15 +115,15 @@ def test_autograd_gets_shared_zeros_and_main_grad_the_reduce(comms):
     model = build_sharded_model(cfg)
     grad_fn = _grad_fn(model)
     _, first = grad_fn(make_batch(cfg.model, 0, seed=cfg.train.seed))
-    cached = len(unit_state._ZEROS)
+    cached = len(RUNTIME.zeros)
     model.zero_grad()
     _, second = grad_fn(make_batch(cfg.model, 0, seed=cfg.train.seed))
-    assert len(unit_state._ZEROS) == cached           # no new zero tensor per step
+    assert len(RUNTIME.zeros) == cached           # no new zero tensor per step
     shapes = {(tuple(p.shape), p.dtype) for p in model.trainable_params()}
-    assert set(unit_state._ZEROS) >= shapes            # one shared tensor per shape and dtype
+    assert set(RUNTIME.zeros) >= shapes            # one shared tensor per shape and dtype
     for got_1, got_2 in zip(first, second):
         assert not np.any(got_1.asnumpy()) and not np.any(got_2.asnumpy())
-    assert not any(np.any(z.asnumpy()) for z in unit_state._ZEROS.values())   # never written
+    assert not any(np.any(z.asnumpy()) for z in RUNTIME.zeros.values())   # never written
     for param, want in zip(model.trainable_params(), _reference_grads(cfg)):
         np.testing.assert_array_equal(param.main_grad.asnumpy(), want, err_msg=param.name)
 
@@ -152,7 +152,7 @@ def test_a_failed_collective_reaches_value_and_grad_and_the_next_step_works(comm
     with pytest.raises(CommError, match=f"launch #{failing}"):
         grad_fn(batch)
     assert made[0].launch_counts["reduce_scatter"] > failing     # it failed amid the others
-    assert not unit_state._IN_FLIGHT
+    assert not RUNTIME.in_flight
     assert pool.stats().live_leases == 0
     model.zero_grad()
     grad_fn(batch)                        # later launches do not fail
@@ -176,7 +176,7 @@ def test_reduces_left_in_flight_land_once(comms):
     want = _reference_grads(cfg)
     model.set_is_last_backward(False)
     grad_fn(batch)
-    assert len(unit_state._IN_FLIGHT) == 3
+    assert len(RUNTIME.in_flight) == 3
     assert _main_grads(model) == [None] * len(want)           # nothing landed yet
     hsdp_sync_stream()
     for got, expected in zip(_main_grads(model), want):
@@ -189,7 +189,7 @@ def test_reduces_left_in_flight_land_once(comms):
     model.set_is_last_backward(False)
     grad_fn(batch)
     model.zero_grad()
-    assert not unit_state._IN_FLIGHT
+    assert not RUNTIME.in_flight
     assert _main_grads(model) == [None] * len(want)
     model.set_is_last_backward(True)
     grad_fn(batch)                       # the zeroed reduce was not applied late
@@ -266,7 +266,7 @@ def test_a_root_without_parameters_reduces_synchronously(caplog):
     with caplog.at_level("WARNING"):
         ms.value_and_grad(lambda x: model(x).sum(), None, model.trainable_params())(x)
     assert "reducing synchronously" in caplog.text
-    assert not unit_state._IN_FLIGHT
+    assert not RUNTIME.in_flight
     for param, expected in zip(model.trainable_params(), want):
         np.testing.assert_array_equal(param.main_grad.asnumpy(), expected.asnumpy())
     runtime_module.reset_runtimes()
@@ -283,7 +283,7 @@ def test_the_per_parameter_reduce_api_lands_an_in_flight_reduce_first(comms):
     _grad_fn(model)(make_batch(cfg.model, 0, seed=cfg.train.seed))
     param = model.trainable_params()[0]
     managed = param.hsdp_param
-    assert param.main_grad is None and managed.unit in unit_state._IN_FLIGHT
+    assert param.main_grad is None and managed.unit in RUNTIME.in_flight
     extra = np.ones(managed.orig_shape, np.float32)
     managed.set_unsharded_grad(ms.Tensor(extra))
     managed.reduce_scatter_grad(async_op=False, reduce_op="sum")
@@ -304,7 +304,7 @@ def test_a_failed_collective_left_in_flight_reaches_hsdp_sync_stream(comms):
     _grad_fn(model)(batch)                       # returns: nothing was waited yet
     with pytest.raises(CommError, match="launch #2"):
         hsdp_sync_stream()
-    assert not unit_state._IN_FLIGHT
+    assert not RUNTIME.in_flight
     stats = pool.stats()
     assert (stats.live_leases, stats.fenced_buckets) == (0, 0)
     model.zero_grad()

@@ -164,8 +164,13 @@ def test_pool_never_frees_or_changes_caller_tensors():
     assert [(raw_bytes(t), storage_bytes(t)) for t in grads + [bystander]] == before
 
 
-def test_storage_is_released_only_through_a_pool_bucket_record():
-    """Structural ownership: the single resize_ call in the code base takes a _Bucket."""
+# The only functions of the code base that resize storage, and the record type each takes:
+# the pool's buckets and the gathered (full) parameters fully_shard frees after forward.
+STORAGE_RESIZERS = {("pool.py", "_release_storage"): ("_Bucket", "BucketPool._allocate"),
+                    ("gathered.py", "_resize_storage"): ("_Allocation", "GatheredParam.__init__")}
+
+
+def _resize_calls() -> list:
     calls = []
     for path in list((ROOT / "gradpool").rglob("*.py")) + list((ROOT / "hyper_parallel").rglob("*.py")):
         tree = ast.parse(path.read_text())
@@ -174,14 +179,33 @@ def test_storage_is_released_only_through_a_pool_bucket_record():
                 for node in ast.walk(fn):
                     if isinstance(node, ast.Attribute) and node.attr == "resize_":
                         calls.append((path.name, fn.name, [a.annotation for a in fn.args.args]))
-    assert len(calls) == 1, calls
-    name, fn_name, annotations = calls[0]
-    assert (name, fn_name) == ("pool.py", "_release_storage")
-    assert ast.unparse(annotations[0]) == "_Bucket"
-    pool_src = (ROOT / "gradpool" / "pool.py").read_text()
-    constructions = [n for n in ast.walk(ast.parse(pool_src))
-                     if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "_Bucket"]
-    assert len(constructions) == 1, "buckets must be created in exactly one place (_allocate)"
+    return calls
+
+
+def _constructions(path, record: str) -> list:
+    """``(enclosing Class.function, ...)`` of every call ``record(...)`` in ``path``."""
+    found = []
+    tree = ast.parse(path.read_text())
+    for cls in [n for n in tree.body if isinstance(n, ast.ClassDef)] + [tree]:
+        for fn in (cls.body if isinstance(cls, ast.ClassDef) else cls.body):
+            if isinstance(fn, ast.FunctionDef):
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.Call) and getattr(node.func, "id", None) == record:
+                        owner = f"{cls.name}." if isinstance(cls, ast.ClassDef) else ""
+                        found.append(f"{owner}{fn.name}")
+    return found
+
+
+def test_storage_is_resized_only_through_a_record_gradpool_made():
+    """Structural ownership: each resize_ call takes a record type, and each record type is
+    made in one place, around a tensor that place allocated. No other resize_ exists."""
+    calls = _resize_calls()
+    assert sorted((name, fn) for name, fn, _ in calls) == sorted(STORAGE_RESIZERS), calls
+    for name, fn_name, annotations in calls:
+        record, maker = STORAGE_RESIZERS[(name, fn_name)]
+        assert ast.unparse(annotations[0]) == record, (name, fn_name)
+        assert _constructions(ROOT / "gradpool" / name, record) == [maker], \
+            f"{record} must be created in exactly one place ({maker})"
 
 
 # -- bad input: typed error naming the value, stats unchanged ---------------------------------

@@ -48,6 +48,7 @@ from gradpool.runtime import runtime_for
 from harness import Context, Suite, allclose, equal, late_communicators
 from hyper_parallel.core.dtensor.placement_types import Shard
 from npref import np_chunk, reduce_over_ranks, round_to, add_rounded
+from reshard_checks import reshard_checks
 
 suite = Suite("fully_shard", blocking_launch=True)
 STEPS = 3
@@ -280,12 +281,12 @@ def probe_checks(ctx: Context, cfg, model) -> dict:
                 out[f"{label} {name}"] = _close(got[name], expected, tolerance)
         return out
 
-    # main_grad mode with the asynchronous reduce: autograd gets zeros, main_grad the reduce
-    asynchronous = use_main and cfg.gradpool.async_reduce
+    # main_grad mode (asynchronous reduce or not): autograd gets zeros, main_grad the reduce
+    asynchronous = use_main
 
     def returned(label, got: dict, key: str) -> dict:
         if asynchronous:
-            return {f"{label}: zeros (async reduce)": equal(
+            return {f"{label}: zeros (main_grad mode)": equal(
                 all(not np.any(v) for v in got.values()), True)}
         return compare(label, got, key)
 
@@ -428,7 +429,7 @@ def reduce_in_bfloat16(ctx: Context) -> dict:
 @suite.case
 def two_micro_steps_synchronous(ctx: Context) -> dict:
     """Gradient accumulation with the synchronous reduce (``async_reduce`` off): each unit's
-    reduce completes in its backward and autograd returns the reduced shards."""
+    reduce completes in its backward and lands in main_grad there (autograd gets zeros)."""
     return run_case(ctx, ["train.micro_steps=2", "gradpool.async_reduce=false"])[0]
 
 
@@ -546,6 +547,52 @@ def forward_prefetch_launches_the_next_units_gathers_first(ctx: Context) -> dict
                     _local(param.hsdp_param, want["first"][param.name], ctx.rank),
                     GRAD_TOL[ctx.world_size])
     return checks
+
+
+# -- reshard_after_forward: freed after forward, gathered again before backward -----------------
+def _list_unit_model(cfg, **_):
+    """The tiny model with its two decoder layers as ONE unit (fully_shard([layer0, layer1]))."""
+    from hyper_parallel import fully_shard
+    from gradpool.app.train import mixed_precision
+    model = TinyDeepSeekV3(cfg.model, seed=cfg.train.seed)
+    kwargs = dict(mp_policy=mixed_precision(cfg), comm_fusion=cfg.fully_shard.comm_fusion,
+                  reshard_after_forward=cfg.fully_shard.reshard_after_forward,
+                  pool_config=cfg.gradpool)
+    fully_shard(list(model.layers), **kwargs)
+    return fully_shard(model, **kwargs)
+
+
+def _forward_prefetch(model) -> None:
+    model.set_modules_to_forward_prefetch([model.layers[0]])
+    model.layers[0].set_modules_to_forward_prefetch([model.layers[1]])
+
+
+RESHARD_VARIANTS = {
+    "per_gradient_async": ([], {}, None),
+    "fused": (["fully_shard.comm_fusion=true"], {}, None),
+    "sync_reduce": (["gradpool.async_reduce=false"], {}, None),
+    "no_main_grad": (["fully_shard.apply_grad_on_fp32_main_grad=false"], {}, None),
+    "no_sync_micro_steps_fused": (["train.micro_steps=2", "fully_shard.comm_fusion=true"], {}, None),
+    "forward_prefetch": (["fully_shard.comm_fusion=true"], {}, _forward_prefetch),
+    "replicated_and_shard_dim_1": ([], dict(
+        replicate=lambda model: [p for p in model.trainable_params() if p.name == REPLICATED],
+        shard_placement_fn=lambda p: Shard(1) if p.name == SHARD_DIM_1 else None), None),
+}
+
+
+def _reshard_case(name, overrides, build, prepare):
+    suite.add(f"reshard_after_forward_{name}",
+              lambda ctx: reshard_checks(FIELD, ["train.steps=2"] + overrides, build, prepare))
+
+
+for _name, (_overrides, _build, _prepare) in RESHARD_VARIANTS.items():
+    _reshard_case(_name, _overrides, _build, _prepare)
+
+
+@suite.case
+def reshard_after_forward_list_unit(ctx: Context) -> dict:
+    return reshard_checks(FIELD, ["train.steps=2", "fully_shard.comm_fusion=true"],
+                          builder=_list_unit_model)
 
 
 if __name__ == "__main__":

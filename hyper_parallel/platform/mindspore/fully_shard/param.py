@@ -14,6 +14,7 @@ a view of a pool output bucket, valid until the owning unit's next synchronized 
 from __future__ import annotations
 
 import hashlib
+import zlib
 import logging
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -23,8 +24,8 @@ import numpy as np
 from mindspore import Parameter, mint
 
 from gradpool import (GradientIntegrityError, GradSlot, InvalidArgumentError, ReduceResult,
-                      ReduceScatterLayout, check_reduce_op, local_shard, pack_bucket,
-                      synchronize, unpack_gathered, unshard, writable_view)
+                      ReduceScatterLayout, check_reduce_op, pack_bucket, synchronize,
+                      device_target, unpack_gathered, unshard, writable_view)
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,9 @@ class MindSporeHSDPParamV2:
         self.reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
         self.use_main_grad = bool(getattr(mp_policy, "apply_grad_on_fp32_main_grad", False))
         self.verify_gradients = verify_gradients
+        # main_grad accumulates in place where the backend's in-place add works (Ascend); on CPU
+        # ``Tensor.add_`` of a plain tensor returns a new one and leaves it unchanged.
+        self._add_in_place = device_target() == "Ascend"
         if not replicate and not 0 <= shard_dim < len(self.orig_shape):
             raise InvalidArgumentError(
                 f"parameter {self.name} of shape {self.orig_shape} cannot be sharded on dim "
@@ -92,13 +96,22 @@ class MindSporeHSDPParamV2:
 
     def _make_local(self, param: Parameter) -> Parameter:
         """The local shard (a new Parameter; the original itself when replicated). Marks nothing:
-        :meth:`adopt` does, once ``fully_shard`` has planned every parameter."""
+        :meth:`adopt` does, once ``fully_shard`` has planned every parameter.
+
+        A lazily initialised parameter (``no_init_parameters()``, an ``initializer(...)``) is
+        never materialised whole: only this rank's shard is drawn (:func:`lazy_shard_values`)."""
         if self.replicate:
-            return param
-        # A copy in memory of its own: the optimizer updates the shard in place, and on CPU an
-        # in-place write into a view at a non-zero offset would silently not land.
-        local = np.array(local_shard(param, self.slot, self.rank).asnumpy(), copy=True)
-        return Parameter(ms.Tensor(local), name=param.name, requires_grad=param.requires_grad)
+            return param.init_data() if is_lazy(param) else param
+        if is_lazy(param):
+            values = lazy_shard_values(param, self.slot, self.rank)
+        else:
+            values = host_shard_values(param, self.slot, self.rank)
+        # Memory of its own: the optimizer updates the shard in place, and on CPU an in-place
+        # write into a view at a non-zero offset would silently not land.
+        local = ms.Tensor(values)
+        if local.dtype != param.dtype:
+            local = local.astype(param.dtype)
+        return Parameter(local, name=param.name, requires_grad=param.requires_grad)
 
     def adopt(self, original: Parameter) -> None:
         """Mark the shard and the original as managed (the commit step of ``fully_shard``)."""
@@ -126,13 +139,18 @@ class MindSporeHSDPParamV2:
         return self.param_dtype or self.orig_dtype
 
     def set_unsharded_grad(self, grad: ms.Tensor) -> None:
-        """Take autograd's gradient for the reduce path. Held by reference only, never freed.
-        A reduce of this unit still in flight (asynchronous reduce) lands in main_grad first."""
-        if self.unit is not None:
-            self.unit.finish_async_reduce()
+        """Take a gradient for the reduce path (upstream's per-parameter call; the unit's own
+        backward uses :meth:`take_gradient`). A reduce of this unit still in flight
+        (asynchronous reduce) lands in main_grad first."""
         if tuple(grad.shape) != self.orig_shape:
             raise InvalidArgumentError(
                 f"gradient of {self.name} has shape {tuple(grad.shape)}, expected {self.orig_shape}")
+        if self.unit is not None:
+            self.unit.finish_async_reduce()
+        self.take_gradient(grad)
+
+    def take_gradient(self, grad: ms.Tensor) -> None:
+        """Hold autograd's gradient (by reference only, never freed) until its reduce read it."""
         self._grad = grad
         self._fingerprint = fingerprint(grad) if self.verify_gradients else None
 
@@ -203,20 +221,31 @@ class MindSporeHSDPParamV2:
             self._slot = None
 
     def apply_reduced_grad(self, reduced: ms.Tensor) -> ms.Tensor:
-        """The gradient autograd hands back for the local shard (in the shard's dtype); with
-        ``apply_grad_on_fp32_main_grad`` it is also accumulated into ``main_grad`` (float32)."""
+        """The gradient autograd hands back for the local shard, in the shard's dtype (without
+        main_grad: the unit returns it from backward; with ``apply_grad_on_fp32_main_grad`` the
+        unit adds the shard into ``main_grad`` instead and returns zeros)."""
         grad = reduced if reduced.dtype == self.orig_dtype else reduced.astype(self.orig_dtype)
         if self.use_main_grad:
             self.add_to_main_grad(reduced)
         return grad
 
     def add_to_main_grad(self, reduced: ms.Tensor) -> None:
-        """``main_grad += reduced`` in float32 (created on the first reduce after zero_grad)."""
+        """``main_grad += reduced`` in float32 (created on the first reduce after zero_grad).
+
+        ``main_grad`` never aliases the pool bucket ``reduced`` lives in (the bucket goes back to
+        the pool right after). Accumulating: in place on Ascend (``Tensor.add_``); on the CPU
+        backend ``add_`` of a plain tensor silently leaves it unchanged (measured, see the
+        MindSpore notes), so there the sum is a new tensor, one allocation per parameter per
+        accumulate, and the old one goes back to MindSpore's allocator."""
         main = self.sharded_param.main_grad
+        addend = reduced if reduced.dtype == ms.float32 else reduced.astype(ms.float32)
         if main is None:
-            main = mint.zeros(self.local_shape, dtype=ms.float32)
-        # out-of-place: main_grad never aliases the pool bucket the shard lives in
-        self.sharded_param.main_grad = mint.add(main, reduced.astype(ms.float32))
+            # a copy of its own (astype to the same dtype would alias the bucket)
+            self.sharded_param.main_grad = mint.mul(addend, 1.0) if addend is reduced else addend
+        elif self._add_in_place:
+            main.add_(addend)
+        else:
+            self.sharded_param.main_grad = mint.add(main, addend)
 
     def launched(self) -> None:
         """The reduce of this gradient is in flight (asynchronous reduce): the reducer has copied
@@ -249,6 +278,67 @@ class MindSporeHSDPParamV2:
         return f"MindSporeHSDPParamV2({self.name}, {self.orig_shape}, {kind})"
 
 
+# -- the local shard of a parameter ----------------------------------------------------------
+def is_lazy(param: Parameter) -> bool:
+    """``param`` has an initializer and no data yet (MindSpore's lazy initialisation)."""
+    return bool(getattr(param, "has_init", False)) and getattr(param, "init", None) is not None
+
+
+def _valid_index(slot: GradSlot, rank: int, start: int) -> tuple:
+    """The index of the real (unpadded) part of ``rank``'s chunk: in the full tensor when
+    ``start`` is the chunk's offset there, in the chunk when it is 0."""
+    index = [slice(None)] * len(slot.shape)
+    index[slot.shard_dim] = slice(start, start + slot.valid_length(rank))
+    return tuple(index)
+
+
+def host_shard_values(param: Parameter, slot: GradSlot, rank: int) -> np.ndarray:
+    """``rank``'s chunk of a materialised parameter, zero-padded, as a new host array (one
+    copy of the chunk: on CPU ``asnumpy()`` is the parameter's own memory)."""
+    full = param.asnumpy()
+    local = np.zeros(slot.chunk_shape, dtype=full.dtype)
+    local[_valid_index(slot, rank, 0)] = full[_valid_index(slot, rank, rank * slot.chunk_size)]
+    return local
+
+
+def shard_seed(name: str, rank: int) -> int:
+    """The seed a lazily initialised shard is drawn with: from ``mindspore.get_seed()`` (0 when
+    unset), the parameter's name (so two parameters never draw the same numbers) and the shard's
+    index in its shard group."""
+    sequence = np.random.SeedSequence([ms.get_seed() or 0, zlib.crc32(name.encode()), rank])
+    return int(sequence.generate_state(1)[0])
+
+
+def lazy_shard_values(param: Parameter, slot: GradSlot, rank: int) -> np.ndarray:
+    """``rank``'s chunk of a lazily initialised parameter, drawn without the full tensor.
+
+    As in MindSpore's own sliced initialisation (``Tensor.init_data(slice_index=..., shape=...)``,
+    what its auto-parallel mode does), the parameter's initializer runs on the real part of the
+    chunk's shape, with NumPy's global generator (which MindSpore's random initializers draw
+    from) seeded by :func:`shard_seed`; the padding is zero. So a constant initializer (``Zero``,
+    ``One``, ``Constant``) gives exactly the unsharded parameter's slice; a random one gives draws
+    of the same family, fixed for a seed, a name and a world size, equal across HSDP replicas of a
+    shard (same index), but not the values an unsharded init would put there (those need the
+    whole tensor drawn in order). An initializer whose scale depends on the shape (He, Xavier: the
+    fans) computes it from the chunk's shape, as MindSpore's sliced init does; that equals the
+    full shape's fan when the sharded dim is not a fan dim (``Shard(0)`` with ``mode='fan_in'``).
+    Drawn in float32 (the dtype MindSpore's random initializers fill in place), then cast."""
+    local = np.zeros(slot.chunk_shape, dtype=np.float32)
+    valid = _valid_index(slot, rank, 0)
+    if slot.valid_length(rank) > 0:
+        shape = list(slot.chunk_shape)
+        shape[slot.shard_dim] = slot.valid_length(rank)
+        drawn = np.zeros(shape, dtype=np.float32)
+        state = np.random.get_state()
+        np.random.seed(shard_seed(param.name, rank))
+        try:
+            param.init(drawn)
+        finally:
+            np.random.set_state(state)
+        local[valid] = drawn
+    return local
+
+
 # -- one unit's all-gather -------------------------------------------------------------------------
 class PendingGather:
     """A unit's all-gathers, launched (``async_op=True``); :meth:`wait` gives the full parameters
@@ -264,12 +354,15 @@ class PendingGather:
         their full tensors, settling its buckets either way; ``abandon()`` settles them unwaited."""
         self._pending.append((indices, finish, abandon))
 
-    def wait(self) -> tuple:
+    def wait(self, sink=None) -> tuple:
+        """The full parameters; ``sink(index, full)``, when given, takes each as soon as its
+        gather is done and returns what stands for it (a unit writes it into its buffer), so the
+        fresh tensors of a unit's gathers are not all alive at once."""
         try:
             while self._pending:
                 indices, finish, _ = self._pending.pop(0)   # finish() settles its own buckets
                 for index, full in zip(indices, finish()):
-                    self._fulls[index] = full
+                    self._fulls[index] = full if sink is None else sink(index, full)
         except BaseException:
             self.abandon()
             raise

@@ -38,7 +38,6 @@ left in flight there.
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -46,50 +45,19 @@ import mindspore as ms
 from mindspore import mint
 from mindspore.common._grad_function import _Function
 
-from gradpool import SUPPORTED_DTYPES, GradReducer, PackedBucket, check_reduce_op
+from gradpool import (SUPPORTED_DTYPES, GatheredParam, GradReducer, LeaseStateError,
+                      PackedBucket, check_reduce_op)
 from hyper_parallel.platform.mindspore.fully_shard.param import (MindSporeHSDPParamV2,
                                                                   PendingGather,
                                                                   launch_all_gather)
+from hyper_parallel.platform.mindspore.fully_shard.runtime import RUNTIME, FullyShardRuntime
 
 logger = logging.getLogger(__name__)
-_UNITS: list = []        # weak references to every unit (to find the roots)
-_IN_FLIGHT: list = []    # units whose asynchronous reduce is not in main_grad yet, launch order
-_ZEROS: dict = {}        # (shape, dtype) -> the shared zero gradient handed to autograd
-
-
-def shared_zeros(shape: tuple, dtype) -> ms.Tensor:
-    """One zero tensor per (shape, dtype), handed to autograd for every parameter of that shape
-    whose real gradient goes elsewhere (no allocation per step). Nothing writes into it."""
-    key = (tuple(shape), dtype)
-    zeros = _ZEROS.get(key)
-    if zeros is None:
-        zeros = _ZEROS[key] = mint.zeros(key[0], dtype=dtype)
-    return zeros
 
 
 def finish_async_reduces() -> None:
-    """Wait for every asynchronous reduce still in flight and add it into ``main_grad``, in
-    launch order (the same on every rank). A failed collective is raised once every other one
-    is settled: no lease stays live, and nothing is added twice."""
-    error: Optional[BaseException] = None
-    while _IN_FLIGHT:
-        try:
-            _IN_FLIGHT[0].finish_async_reduce()
-        except Exception as exc:  # noqa: BLE001 - the first failure is raised below
-            error = error if error is not None else exc
-    if error is not None:
-        raise error
-
-
-def _live_units() -> list:
-    return [unit for unit in (ref() for ref in _UNITS) if unit is not None]
-
-
-def _abandon_prefetches() -> None:
-    for unit in _live_units():
-        if unit._prefetched is not None:                        # pylint: disable=protected-access
-            pending, unit._prefetched = unit._prefetched, None   # pylint: disable=protected-access
-            pending.abandon()
+    """Land every asynchronous reduce still in flight (see :class:`FullyShardRuntime`)."""
+    RUNTIME.finish_async_reduces()
 
 
 @dataclass
@@ -116,12 +84,34 @@ def _make_gather_function(unit: "HSDPUnitState"):
 
 class HSDPUnitState:
     """Parameters, hooks and pending reductions of one ``fully_shard`` unit: one module, or the
-    modules of one ``fully_shard([a, b, ...])`` call (gathered together, reduced together)."""
+    modules of one ``fully_shard([a, b, ...])`` call (gathered together, reduced together).
+
+    The unit drives its parameters (passive records): it gathers them, frees the gathered memory
+    after forward, gathers it again before backward, launches the reduce and drains it.
+
+    Parameter memory across a step (``reshard_after_forward=True``, every unit but a root):
+
+    * forward: the pre-forward hook gathers the unit's parameters into its
+      :class:`gradpool.GatheredParam` buffers (or waits on a forward prefetch); the forward
+      hook, once every module of the unit ran, releases their memory. Autograd keeps the tensor
+      objects, not their bytes.
+    * backward: the backward pre-hook (it runs when the gradient of the unit's output is ready,
+      before the unit's own ops' backward) gathers them again into the same tensors, without
+      bumping their version, then launches the all-gather of the next unit in backward order
+      (the one whose forward ended just before, or ``set_modules_to_backward_prefetch``'s),
+      so it runs while this unit computes. The unit's backward (the gather function's) reduces
+      the gradients and, with ``reshard_after_backward`` (default), releases the memory again.
+
+    So a rank holds the gathered parameters of the running unit, of at most one prefetched unit,
+    and of the root (which keeps its parameters from forward to backward, as in FSDP2, since its
+    backward starts right after its forward ends)."""
 
     def __init__(self, modules: list, params: list[MindSporeHSDPParamV2], reducer: GradReducer,
-                 mp_policy, reshard_after_forward: bool, async_reduce: bool = False):
+                 mp_policy, reshard_after_forward: bool, async_reduce: bool = False,
+                 runtime: FullyShardRuntime = RUNTIME):
         """``async_reduce``: leave each backward's reduce in flight (main_grad mode only)."""
         self.modules = list(modules)
+        self.runtime = runtime
         self.async_reduce = async_reduce
         self.async_stats = AsyncReduceStats()
         self.params = params
@@ -138,18 +128,25 @@ class HSDPUnitState:
         self._gather = _make_gather_function(self)
         self._forwarded: set[int] = set()     # modules of this unit run since the last gather
         self._gathered = False
+        self._in_backward = False             # the backward pre-hook ran, the backward has not
         self._is_root: Optional[bool] = None
         self._drained_by_a_root: Optional[bool] = None
         self.forward_prefetch: list["HSDPUnitState"] = []     # units gathered when this one is
-        self.backward_prefetch: list["HSDPUnitState"] = []    # recorded (see the setter)
+        # None: the next unit in backward order (implicit); a list: those units
+        self.backward_prefetch: Optional[list["HSDPUnitState"]] = None
         self._prefetched: Optional[PendingGather] = None
+        # One per parameter: the memory of its gathered form (None: nothing to gather, the local
+        # parameter is the full one: replicated, or a shard group of one rank). Made lazily.
+        self._buffers: list[Optional[GatheredParam]] = [None] * len(params)
+        self._poison = reducer.pool.poison_on_release
         for param in params:
-            param.unit = self
+            param.unit = self       # for upstream's per-parameter calls only (reduce_scatter_grad)
         for module in self.modules:
             if params:
                 module.register_forward_pre_hook(self._pre_forward)
+                module.register_backward_pre_hook(self._pre_backward)
             module.register_forward_hook(self._post_forward)
-        _UNITS.append(weakref.ref(self))
+        runtime.register(self)
 
     @property
     def module(self):
@@ -158,9 +155,9 @@ class HSDPUnitState:
     @property
     def is_root(self) -> bool:
         """No other unit's module contains this unit's modules (its backward runs last). Known
-        once a backward has run: units are all built by then."""
+        once a forward has run: units are all built by then."""
         if self._is_root is None:
-            self._is_root = not any(other.contains(self) for other in _live_units()
+            self._is_root = not any(other.contains(self) for other in self.runtime.live_units()
                                     if other is not self)
         return self._is_root
 
@@ -183,7 +180,8 @@ class HSDPUnitState:
         so nothing would wait for a reduce left in flight: its units reduce synchronously."""
         if self._drained_by_a_root is None:
             self._drained_by_a_root = self.ends_backward or any(
-                other.ends_backward and other.contains(self) for other in _live_units())
+                other.ends_backward and other.contains(self)
+                for other in self.runtime.live_units())
             if self.async_reduce and not self._drained_by_a_root:
                 logger.warning(
                     "fully_shard unit %s: its root unit has no parameters of its own, so no "
@@ -191,6 +189,21 @@ class HSDPUnitState:
                     "root that owns parameters, e.g. the embedding, to overlap the reduce)",
                     [type(m).__name__ for m in self.modules])
         return self._drained_by_a_root
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """This unit frees its gathered parameters when its forward ends (a root keeps them:
+        its backward follows at once)."""
+        return self.reshard_after_forward and not self.is_root
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of gathered-parameter memory this unit holds now."""
+        return sum(b.resident_bytes for b in self._buffers if b is not None)
+
+    @property
+    def buffers(self) -> list[Optional[GatheredParam]]:
+        return list(self._buffers)
 
     # -- forward ----------------------------------------------------------------------------------
     def _pre_forward(self, cell, inputs):
@@ -202,6 +215,7 @@ class HSDPUnitState:
                 fulls = (fulls,)
             self._install(fulls)
             self._gathered = True
+            self._in_backward = False
             for unit in self.forward_prefetch:
                 unit.prefetch()
         dtype = self.mp_policy.param_dtype
@@ -216,6 +230,10 @@ class HSDPUnitState:
             self._gathered = False
             if self.reshard_after_forward:
                 self.uninstall()
+            if self.params:
+                self.runtime.forward_ended(self)
+                if self.reshards_after_forward:
+                    self.release_gathered()
         dtype = self.mp_policy.output_dtype
         if dtype is None:
             return None
@@ -238,14 +256,44 @@ class HSDPUnitState:
     def unshard(self) -> None:
         self._install(self.gather([p.sharded_param for p in self.params]))
 
+    def reshard(self) -> None:
+        """Drop what ``unshard()`` installed and release the gathered memory."""
+        self.uninstall()
+        self.release_gathered()
+
     def gather(self, local_params) -> tuple:
-        """The unit's full parameters: with ``comm_fusion`` one all-gather per dtype into pool
-        buckets (``param.launch_all_gather``), else one per parameter; ``comm_fusion`` governs
-        both directions, as upstream. A gather another unit's forward prefetched is waited."""
+        """The unit's full parameters, in its gathered buffers: with ``comm_fusion`` one
+        all-gather per dtype into pool buckets (``param.launch_all_gather``), else one per
+        parameter; ``comm_fusion`` governs both directions, as upstream. A gather another unit
+        prefetched is waited."""
         pending, self._prefetched = self._prefetched, None
         if pending is None:
             pending = self._launch_gather(local_params)
-        return pending.wait()
+        return pending.wait(self._fill)
+
+    def _fill(self, index: int, full: ms.Tensor) -> ms.Tensor:
+        """Entry ``index`` of a gather: written into that parameter's buffer (made on first use),
+        whose tensor is what the cells compute with; a parameter with nothing to gather is its
+        own full form (no buffer, never released)."""
+        param = self.params[index]
+        if param.replicate or param.world_size == 1:
+            return full
+        buffer = self._buffers[index]
+        if buffer is None:
+            buffer = self._buffers[index] = GatheredParam(
+                param.orig_shape, param.param_dtype or param.orig_dtype, poison=self._poison)
+        return buffer.fill(full)
+
+    def release_gathered(self) -> None:
+        """Release the memory of every gathered parameter of this unit (the one release path
+        for it: :meth:`gradpool.GatheredParam.release`, on buffers this unit made)."""
+        for buffer in self._buffers:
+            if buffer is not None:
+                buffer.release()
+
+    def needs_gather(self) -> bool:
+        """Some gathered parameter of this unit was released and not gathered again."""
+        return any(b is not None and not b.valid for b in self._buffers)
 
     def _launch_gather(self, local_params) -> PendingGather:
         return launch_all_gather(self.params, list(local_params), self.reducer.pool,
@@ -259,13 +307,50 @@ class HSDPUnitState:
             return
         self._prefetched = self._launch_gather([p.sharded_param for p in self.params])
 
+    def prefetch_for_backward(self) -> None:
+        """Launch the all-gathers this unit's backward will need (another unit's backward
+        started), unless its parameters are still gathered or the gather is launched already."""
+        if self._prefetched is None and self.needs_gather():
+            self._prefetched = self._launch_gather([p.sharded_param for p in self.params])
+
+    def abandon_prefetch(self) -> None:
+        if self._prefetched is not None:
+            pending, self._prefetched = self._prefetched, None
+            pending.abandon()
+
     # -- backward ---------------------------------------------------------------------------------
+    def _pre_backward(self, cell, grad_output):
+        """Before the unit's ops' backward: its parameters gathered again (released after
+        forward), then the next unit's gather launched. Once per backward for a list unit."""
+        if self._in_backward:
+            return None
+        self._in_backward = True
+        if self.needs_gather():
+            self.gather([p.sharded_param for p in self.params])
+        for unit in self._backward_prefetch_targets():
+            unit.prefetch_for_backward()
+        return None
+
+    def _backward_prefetch_targets(self) -> list:
+        if self.backward_prefetch is not None:
+            return self.backward_prefetch
+        following = self.runtime.next_in_backward(self)
+        return [] if following is None else [following]
+
     def on_backward(self, grads) -> tuple:
+        for buffer in self._buffers:
+            if buffer is not None and not buffer.valid:
+                # autograd has just read this memory: it was released and never gathered again
+                raise LeaseStateError(
+                    f"fully_shard unit {[type(m).__name__ for m in self.modules]}: its backward "
+                    f"read a gathered parameter {buffer.shape} released after forward and not "
+                    "gathered again (its backward pre-hook did not run)")
+        self._in_backward = False
         grads = [g if g is not None else mint.zeros(p.orig_shape, dtype=p.param_dtype or p.orig_dtype)
                  for p, g in zip(self.params, grads)]
+        self.finish_async_reduce()       # this unit's reduce of an earlier backward lands first
         for param, grad in zip(self.params, grads):
-            # lands this unit's reduce of an earlier backward first (set_is_last_backward(False))
-            param.set_unsharded_grad(grad)
+            param.take_gradient(grad)
         if not self.requires_sync:
             self._accumulate(self.params)
             self._end_of_backward()
@@ -275,6 +360,9 @@ class HSDPUnitState:
             out = self._keep_partials()
         elif self.async_reduce and self.can_leave_reduce_in_flight:
             out = self._leave_in_flight()
+        elif self.mp_policy.apply_grad_on_fp32_main_grad:
+            self._land_in_main_grad()
+            out = self._zero_grads()
         else:
             out = tuple(p.apply_reduced_grad(self._scaled(p.reduce_scatter_output()))
                         for p in self.params)
@@ -282,7 +370,7 @@ class HSDPUnitState:
         return out
 
     def _zero_grads(self) -> tuple:
-        return tuple(shared_zeros(p.local_shape, p.orig_dtype) for p in self.params)
+        return tuple(self.runtime.shared_zeros(p.local_shape, p.orig_dtype) for p in self.params)
 
     # -- asynchronous reduce (main_grad mode) -----------------------------------------------------
     def _leave_in_flight(self) -> tuple:
@@ -292,20 +380,25 @@ class HSDPUnitState:
         self.async_stats.launched += 1
         if any(p.reduce_in_flight() for p in self.params):
             self.async_stats.returned_in_flight += 1
-        _IN_FLIGHT.append(self)
+        self.runtime.in_flight.append(self)
         return self._zero_grads()
 
     def finish_async_reduce(self) -> None:
         """Wait for this unit's reduce still in flight (if any) and add it into ``main_grad``."""
-        if self not in _IN_FLIGHT:
+        if self not in self.runtime.in_flight:
             return
-        _IN_FLIGHT.remove(self)         # taken off first: whatever happens, it is applied once
+        self.runtime.in_flight.remove(self)   # taken off first: whatever happens, applied once
+        self._land_in_main_grad()
+        self.async_stats.finished += 1
+
+    def _land_in_main_grad(self) -> None:
+        """Add this unit's reduced shards into ``main_grad`` and give their output buckets back
+        at once (nothing else reads them: autograd gets zeros in main_grad mode)."""
         try:
             # every result waited before any main_grad changes (fused results are shared)
             shards = [p.reduce_scatter_output() for p in self.params]
             for param, shard in zip(self.params, shards):
                 param.add_to_main_grad(self._scaled(shard))
-            self.async_stats.finished += 1
         finally:
             for param in self.params:
                 param.clear_reduce_scatter_output()
@@ -371,12 +464,13 @@ class HSDPUnitState:
     def _end_of_backward(self) -> None:
         if self.reshard_after_backward:
             self.uninstall()            # what unshard() installed goes with the backward
+            self.release_gathered()
         if self.is_root and self.is_last_backward:
             # the root's backward ends the step: nothing of it may still be in flight, and a
             # prefetched gather no forward used would hold parameters the optimizer changes
-            _abandon_prefetches()
+            self.runtime.abandon_prefetches()
             try:
-                finish_async_reduces()
+                self.runtime.finish_async_reduces()
             finally:
                 self.reducer.pool.wait_all()
 
@@ -384,8 +478,7 @@ class HSDPUnitState:
         """The unit's one reduce path: hand the gradients of ``params`` (and, for the whole unit,
         the micro-steps accumulated so far) to the reducer once per group (sharded, replicated),
         and let each parameter adopt its entry of the result. Fused or not is the reducer's
-        grouping."""
-        check_reduce_op(op)
+        grouping. ``op`` was checked where it came in (``set_reduce_op``, ``reduce_scatter_grad``)."""
         for param in params:
             param.clear_reduce_scatter_output()
         if self.requires_all_reduce and any(p.partial is not None for p in params) \
@@ -469,7 +562,7 @@ class HSDPUnitState:
         """Drop this unit's gradients; reduces still in flight (any unit's, in launch order) are
         waited first, so none lands after the zeroing or is lost in flight."""
         try:
-            finish_async_reduces()
+            self.runtime.finish_async_reduces()
         finally:
             self._zero_grad()
 
