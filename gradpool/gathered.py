@@ -24,9 +24,10 @@ import math
 from dataclasses import dataclass
 
 import mindspore as ms
+import numpy as np
 from mindspore import mint
 
-from gradpool.dtypes import check_dtype, itemsize, nan_fill, overwrite, writable_view
+from gradpool.dtypes import check_dtype, itemsize, overwrite
 from gradpool.errors import InvalidArgumentError, LeaseStateError, check_bool
 
 
@@ -107,8 +108,9 @@ class GatheredParam:
         self.valid = False
         self.stats.releases += 1
         if self.poison:
-            if self.nbytes:
-                writable_view(self.tensor.data.reshape(-1))[:] = nan_fill(self.dtype)
+            if self.nbytes:   # a copy, not slice assignment: under autograd that writes a new tensor
+                nans = ms.Tensor(np.full(self.nbytes // itemsize(self.dtype), np.nan, np.float32))
+                overwrite(self.tensor.data.reshape(-1), nans)
             return
         _resize_storage(self._record, 0)
         self.resident = False

@@ -327,3 +327,17 @@ def test_gradient_verification_catches_a_damaged_gradient(damage):
         managed.reduce_scatter_output()
     assert managed.name in str(err.value)
     assert ("changed" if damage == "changed" else "lost its storage") in str(err.value)
+
+
+def test_the_parameters_the_model_was_built_with_are_released():
+    """After fully_shard only the local shards are referenced: the full Parameters the model was
+    built with are garbage (nothing of fully_shard keeps them), so their memory is MindSpore's
+    to reuse."""
+    import gc
+    import weakref
+    net = TwoLayer()
+    originals = [weakref.ref(p) for p in net.trainable_params()]
+    fully_shard(net)
+    gc.collect()
+    assert [ref() for ref in originals] == [None] * len(originals)
+    assert all(hasattr(p, "hsdp_param") for p in net.trainable_params())

@@ -45,7 +45,7 @@ from gradpool.app.train import (NonFiniteLossError, build_sharded_model, gathere
                                 train_reference, train_sharded)
 from gradpool.layout import GradSlot
 from gradpool.runtime import runtime_for
-from harness import Context, Suite, allclose, equal, late_communicators
+from harness import Context, Suite, allclose, equal, late_communicators, raises
 from hyper_parallel.core.dtensor.placement_types import Shard
 from npref import np_chunk, reduce_over_ranks, round_to, add_rounded
 from reshard_checks import reshard_checks
@@ -546,6 +546,214 @@ def forward_prefetch_launches_the_next_units_gathers_first(ctx: Context) -> dict
                     _copy(param.main_grad),
                     _local(param.hsdp_param, want["first"][param.name], ctx.rank),
                     GRAD_TOL[ctx.world_size])
+    return checks
+
+
+def _gather_log(ctx: Context, cfg, setup) -> tuple[list, object]:
+    """One step of the tiny model through a recording communicator: every collective's name in
+    launch order, with ``gather <unit>`` when a unit gathers (forward) or gathers again
+    (backward pre-hook), ``backward <unit>`` when its backward starts and ``loss`` between."""
+    with late_communicators(delay_seconds=0.0) as made:
+        model = build_sharded_model(cfg)
+        setup(model)
+        log = made[0].launch_log
+        names = {id(model.__dict__["_hsdp_state"]): "root"}
+        names.update({id(layer.__dict__["_hsdp_state"]): f"layer{i}"
+                      for i, layer in enumerate(model.layers)})
+        for unit in model._hsdp_units():     # pylint: disable=protected-access
+            label = names[id(unit)]
+            unit.gather = _logged(log, f"gather {label}", unit.gather)
+            unit.on_backward = _logged(log, f"backward {label}", unit.on_backward)
+        params = model.trainable_params()
+        tokens = ms.Tensor(make_batch_np(cfg.model, 0, ctx.rank, ctx.world_size,
+                                         seed=cfg.train.seed))
+
+        def loss_fn(t):
+            loss = next_token_loss(model, t)
+            log.append("loss")
+            return loss
+        ms.value_and_grad(loss_fn, None, params)(tokens)
+    return [entry for entry in log if entry != "reduce_scatter"], model
+
+
+def _logged(log: list, entry: str, fn):
+    def logged(*args):
+        log.append(entry)
+        return fn(*args)
+    return logged
+
+
+@suite.case
+def backward_prefetch_gathers_the_next_unit_while_this_one_computes(ctx: Context) -> dict:
+    """The order of all-gathers (comm_fusion: one per unit) in forward and backward, from a
+    recording communicator. Forward: each layer gathers at its own forward. Backward with
+    reshard_after_forward: the root keeps its parameters and, when its backward starts,
+    launches layer 1's gather (the next unit in backward order); layer 1 gathers again by
+    waiting on it and launches layer 0's; layer 0 launches nothing. set_modules_to_backward_
+    prefetch([]) turns it off (each layer launches its own gather when its backward starts) and
+    a list overrides it; reshard_after_forward=False gathers nothing in backward;
+    set_reshard_after_backward(False) keeps what backward gathered."""
+    base = FIELD + ["fully_shard.comm_fusion=true", "gradpool.poison_on_release=false"]
+    forward = ["gather root", "all_gather", "gather layer0", "all_gather", "gather layer1",
+               "all_gather", "loss"]
+
+    def no_prefetch(model):
+        for unit_module in [model, *model.layers]:
+            unit_module.set_modules_to_backward_prefetch([])
+
+    def root_prefetches_both(model):
+        no_prefetch(model)
+        model.set_modules_to_backward_prefetch([model.layers[1], model.layers[0]])
+
+    def keep_after_backward(model):
+        model.set_reshard_after_backward(False)
+
+    expected = {
+        "implicit": (base, lambda m: None, [
+            "all_gather", "gather layer1", "all_gather", "backward layer1", "gather layer0",
+            "backward layer0", "backward root"]),
+        "off": (base, no_prefetch, [
+            "gather layer1", "all_gather", "backward layer1", "gather layer0", "all_gather",
+            "backward layer0", "backward root"]),
+        "root prefetches both": (base, root_prefetches_both, [
+            "all_gather", "all_gather", "gather layer1", "backward layer1", "gather layer0",
+            "backward layer0", "backward root"]),
+        "reshard_after_forward false": (
+            base + ["fully_shard.reshard_after_forward=false"], lambda m: None,
+            ["backward layer1", "backward layer0", "backward root"]),
+        "reshard_after_backward false": (base, keep_after_backward, [
+            "all_gather", "gather layer1", "all_gather", "backward layer1", "gather layer0",
+            "backward layer0", "backward root"]),
+    }
+    checks = {}
+    for label, (overrides, setup, backward) in expected.items():
+        cfg = from_dict({}, overrides)
+        log, model = _gather_log(ctx, cfg, setup)
+        checks[f"{label}: gathers in forward"] = equal(log[:log.index("loss") + 1], forward)
+        checks[f"{label}: gathers in backward"] = equal(log[log.index("loss") + 1:], backward)
+        units = [u for u in model._hsdp_units() if not u.is_root]   # pylint: disable=protected-access
+        kept = label == "reshard_after_backward false"
+        checks[f"{label}: gathered memory after the step"] = equal(
+            [u.gathered_bytes > 0 for u in units], [kept] * len(units))
+    return checks
+
+
+class _LazyNet(nn.Cell):
+    """Parameters of every kind of initializer, with uneven dim-0 shards at W = 2 and 4."""
+
+    def __init__(self):
+        from mindspore import Parameter
+        from mindspore.common.initializer import Constant, Normal, initializer
+        super().__init__()
+        self.const = Parameter(initializer(Constant(0.5), (7, 6), ms.float32), name="const")
+        self.normal = Parameter(initializer(Normal(0.02), (301, 64), ms.float32), name="normal")
+        self.dense = nn.Dense(64, 33)           # HeUniform weight, Uniform bias (MindSpore's)
+        self.wide = Parameter(initializer(Normal(1.0), (40, 51), ms.float32), name="wide")
+
+    def construct(self, x):
+        return self.dense(x).sum() + self.const.sum() + self.normal.sum() + self.wide.sum()
+
+
+@suite.case
+def lazy_init_materialises_only_the_local_shard(ctx: Context) -> dict:
+    """A model built under no_init_parameters(): fully_shard draws each rank's shard only (every
+    initializer call has the shard's shape, no full parameter is ever materialised), a constant
+    init equals the unsharded parameter's slice, a random one has its distribution, differs
+    between ranks, repeats for the same seed, and the padding is zero; the model then trains."""
+    from mindspore.common.initializer import Initializer
+    from mindspore.nn.utils import no_init_parameters
+    from hyper_parallel import fully_shard
+    calls = []
+    original_call, original_init_data = Initializer.__call__, ms.Tensor.init_data
+
+    def recording_call(self, arr):
+        calls.append((type(self).__name__, tuple(arr.shape)))
+        return original_call(self, arr)
+
+    def refusing_init_data(self, *args, **kwargs):
+        calls.append(("init_data", tuple(self.shape)))
+        return original_init_data(self, *args, **kwargs)
+
+    def build():
+        with no_init_parameters():
+            net = _LazyNet()
+        Initializer.__call__, ms.Tensor.init_data = recording_call, refusing_init_data
+        try:
+            fully_shard(net, pool_config=from_dict({}, FIELD).gradpool)
+        finally:
+            Initializer.__call__, ms.Tensor.init_data = original_call, original_init_data
+        return net
+
+    net = build()
+    params = {p.name: p for p in net.trainable_params()}
+    managed = {name: p.hsdp_param for name, p in params.items()}
+    world, rank = ctx.world_size, ctx.rank
+    real = {name: tuple(m.slot.valid_length(rank) if d == 0 else n
+                        for d, n in enumerate(m.orig_shape)) for name, m in managed.items()}
+    checks = {"no init_data of a whole parameter": equal(
+        [c for c in calls if c[0] == "init_data"], [])}
+    checks["every initializer call had this rank's real shard shape"] = equal(
+        sorted(shape for _, shape in calls), sorted(real.values()))
+    checks["local shards have the chunk shape"] = equal(
+        {n: tuple(p.shape) for n, p in params.items()},
+        {n: m.slot.chunk_shape for n, m in managed.items()})
+    const = params["const"].asnumpy()
+    checks["constant init equals the unsharded slice (padding zero)"] = equal(
+        bool(np.array_equal(const, np_chunk(np.full((7, 6), 0.5, np.float32), 0, rank, world))),
+        True)
+    normal = params["normal"].asnumpy()
+    rows = managed["normal"].slot.valid_length(rank)
+    drawn = normal[:rows]
+    checks["Normal(0.02): mean ~ 0, std within 5 % of 0.02"] = equal(
+        bool(abs(drawn.mean()) < 0.002 and abs(drawn.std() / 0.02 - 1) < 0.05), True)
+    checks["padding rows are zero"] = equal(bool(not np.any(normal[rows:])), True)
+    full = gathered_params(net)["normal"]
+    halves = [full[r * managed["normal"].slot.chunk_size:][:16] for r in range(world)]
+    checks["ranks draw different values"] = equal(
+        all(not np.array_equal(halves[0], h) for h in halves[1:]), True)
+    weight = params["dense.weight"].asnumpy()[:managed["dense.weight"].slot.valid_length(rank)]
+    bound = 1 / np.sqrt(64)      # HeUniform(a=sqrt(5)), fan_in 64: MindSpore's Dense default
+    checks["Dense weight within its HeUniform bound"] = equal(
+        bool(np.abs(weight).max() <= bound and np.abs(weight).max() > 0.8 * bound), True)
+    again = {p.name: p.asnumpy() for p in build().trainable_params()}
+    checks["the same seed draws the same shard"] = equal(
+        all(np.array_equal(again[n], p.asnumpy()) for n, p in params.items()), True)
+    x = ms.Tensor(np.ones((2, 64), np.float32))
+    loss, grads = ms.value_and_grad(net, None, net.trainable_params())(x)
+    checks["the lazily built model runs forward and backward"] = equal(
+        bool(np.isfinite(float(loss.asnumpy()))) and len(grads) == len(params), True)
+    return checks
+
+
+@suite.case
+def poison_makes_a_read_of_released_gather_memory_fail_loudly(ctx: Context) -> dict:
+    """With poison_on_release, released gathered parameters hold NaN (their memory kept), and a
+    backward that would read them before their gather again (the backward pre-hook's gather
+    switched off here) raises LeaseStateError naming the unit, instead of reading stale bytes."""
+    from gradpool import LeaseStateError
+    cfg = from_dict({}, FIELD + ["fully_shard.comm_fusion=true"])       # poison on (FIELD)
+    model = build_sharded_model(cfg)
+    layer = model.layers[1].__dict__["_hsdp_state"]
+    tokens = ms.Tensor(make_batch_np(cfg.model, 0, ctx.rank, ctx.world_size,
+                                     seed=cfg.train.seed))
+    seen = {}
+
+    def loss_fn(t):
+        loss = next_token_loss(model, t)
+        seen["nan"] = [bool(np.isnan(b.tensor.asnumpy()).all()) for b in layer.buffers if b]
+        return loss
+
+    layer.needs_gather = lambda: False            # the re-gather before backward is skipped
+    grad_fn = ms.value_and_grad(loss_fn, None, model.trainable_params())
+    checks = {"the step raises LeaseStateError naming the released parameter": raises(
+        LeaseStateError, lambda: grad_fn(tokens), "released after forward", "DecoderLayer")}
+    checks["released buffers held NaN when the loss was computed"] = equal(
+        bool(seen["nan"]) and all(seen["nan"]), True)
+    del layer.needs_gather
+    model.zero_grad()
+    grad_fn(tokens)                               # with the re-gather, the same model steps
+    checks["the next step, gathered again, has finite main_grad"] = equal(
+        all(np.isfinite(p.main_grad.asnumpy()).all() for p in model.trainable_params()), True)
     return checks
 
 
