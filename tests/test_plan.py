@@ -69,7 +69,9 @@ def in_process(monkeypatch):
     [],                                                   # one bucket per gradient
     ["fully_shard.comm_fusion=true"],                     # fused reduce buckets
     ["fully_shard.comm_fusion=true", "train.micro_steps=2", "gradpool.bucket_cap_mib=0.01"],
-], ids=["per-gradient", "fused", "fused-accumulate-small-cap"])
+    ["gradpool.async_reduce=false"],                      # outputs back in each backward
+    ["fully_shard.apply_grad_on_fp32_main_grad=false"],   # outputs are the gradients
+], ids=["per-gradient", "fused", "fused-accumulate-small-cap", "sync", "no-main-grad"])
 def test_plan_matches_the_pools_measured_high_water_on_the_tiny_model(tmp_path, in_process,
                                                                       overrides):
     cfg = load_config(TINY, ["launch.ranks=1", "train.steps=2", *overrides])
@@ -104,7 +106,10 @@ def test_the_671b_plan_needs_no_model_and_no_device():
     # one bucket per gradient: at most the in-flight bound of the largest (embedding, head)
     assert not cfg.fully_shard.comm_fusion
     assert pool["input_peak_bytes"] <= pool["max_buckets_in_flight"] * pool["largest_input_bytes"]
-    assert pool["high_water_bytes"] >= pool["output_bytes"] >= shard * 4
+    # main_grad mode: each output bucket goes back once added into main_grad
+    assert pool["output_bytes"] == 0 and pool["high_water_bytes"] >= shard * 4
+    no_main_grad = plan_memory(load_config(BIG, ["fully_shard.apply_grad_on_fp32_main_grad=false"]))
+    assert no_main_grad.pool["high_water_bytes"] >= no_main_grad.pool["output_bytes"] >= shard * 2
     assert plan.megatron["buffer_bytes"] >= 4 * total         # every gradient, float32
     assert plan.copy["estimate"] and plan.copy["hbm_gbps"] == HBM_910B_GBPS
     assert plan.copy["copy_efficiency"] == COPY_EFFICIENCY

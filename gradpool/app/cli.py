@@ -102,9 +102,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--nproc", type=int, default=2, help="ranks of the reduce-step suite")
     bench.add_argument("--out", default="bench-results.json", help="results JSON")
     bench.add_argument("--quick", action="store_true", help="small sweep (smoke run)")
-    bench.add_argument("--suite", default="copy-reduce", choices=("copy-reduce", "overlap"),
+    bench.add_argument("--suite", default="copy-reduce",
+                       choices=("copy-reduce", "overlap", "memory"),
                        help="copy-reduce: copy-in and reduce-step suites, JSON and report; "
-                            "overlap: latency the asynchronous reduce hides (world size 1)")
+                            "overlap: latency the asynchronous reduce hides (world size 1); "
+                            "memory: per-rank peak memory of a dense stack, unsharded and on 2 "
+                            "and 4 msrun ranks")
     bench.set_defaults(command=_bench)
     return parser
 
@@ -362,6 +365,8 @@ def _bench(args) -> int:
         raise _UsageError(f"--nproc must be >= 1, got {args.nproc}")
     if args.suite == "overlap":
         return _bench_overlap(args)
+    if args.suite == "memory":
+        return _bench_memory(args)
     try:
         from benchmarks import report, runner
     except ImportError as exc:
@@ -393,6 +398,23 @@ def _bench_overlap(args) -> int:
         print(f"gradpool bench: FAILED: {exc}", file=sys.stderr)
         return EXIT_FAILED
     for line in overlap.report_lines(result):
+        print(line)
+    return EXIT_OK
+
+
+def _bench_memory(args) -> int:
+    from benchmarks import memory
+    if args.device != "CPU":
+        raise _UsageError("--suite memory runs on CPU from this command; on Ascend launch "
+                          "benchmarks/memory_worker.py under msrun with --device Ascend "
+                          f"(docs/benchmarks/memory.md); got --device {args.device}")
+    try:
+        result = memory.run(memory.MemoryOptions.quick() if args.quick
+                            else memory.MemoryOptions())
+    except memory.MemoryBenchmarkError as exc:
+        print(f"gradpool bench: FAILED: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    for line in memory.report_lines(result):
         print(line)
     return EXIT_OK
 

@@ -235,7 +235,7 @@ def _mesh(cfg: RunConfig) -> tuple[int, int]:
     return shape[0], shape[1]
 
 
-def _geometry(cfg: RunConfig) -> _Geometry:
+def _geometry(cfg: RunConfig, specs: Optional[list] = None) -> _Geometry:
     replicas, shards = _mesh(cfg)
     fs, pool = cfg.fully_shard, cfg.gradpool
     compute = _dtype(fs.param_dtype, "float32")       # the model's parameters are float32
@@ -243,9 +243,10 @@ def _geometry(cfg: RunConfig) -> _Geometry:
     align = max(1, pool.alignment_bytes // ITEMSIZE[reduce])
     align32 = max(1, pool.alignment_bytes // ITEMSIZE["float32"])
     by_unit: dict = {}
-    for spec in parameter_specs(cfg.model):
+    for spec in specs if specs is not None else parameter_specs(cfg.model):
         by_unit.setdefault(spec.unit, []).append(spec)
-    names = ["root"] + [f"layers.{i}" for i in range(cfg.model.num_layers)]
+    names = ["root"] + sorted((name for name in by_unit if name != "root"),
+                              key=lambda name: int(name.split(".")[1]))
     units = []
     for name in names:
         specs = by_unit[name]
@@ -283,6 +284,10 @@ class _StepReplay:
         self.hsdp = geo.replicas > 1
         micro = cfg.train.micro_steps
         every = cfg.fully_shard.all_reduce_every_micro_step
+        # main_grad mode: a unit's output buckets go back once added into main_grad, in its own
+        # backward (synchronous) or when the root's backward drains the reduces (asynchronous)
+        self.main_grad = cfg.fully_shard.apply_grad_on_fp32_main_grad
+        self.async_reduce = self.main_grad and cfg.gradpool.async_reduce
         # set_requires_gradient_sync(last): micro-steps packed into the units' buckets, one reduce
         self.accumulate = micro > 1 and every
         # HSDP set_requires_all_reduce(last): reduce-scatter each micro-step, all-reduce the sums
@@ -306,6 +311,10 @@ class _StepReplay:
                 self._backward(unit, index, last, accumulate, partials, pending)
             self._backward(self.geo.units[0], index, last, accumulate, partials, pending)
             self.pool.wait_all()             # the root's backward ends the step
+            if self.main_grad and not partials:
+                for bucket in self.outputs:  # drained into main_grad
+                    self.pool.release(bucket)
+                self.outputs = []
         self.counts.output_bytes = sum(b.nbytes for b in self.outputs)
         return self.counts
 
@@ -353,6 +362,10 @@ class _StepReplay:
                 self.pool.release(out)
             if last:
                 self._all_reduce_partials(unit)
+            return
+        if self.main_grad and not self.async_reduce:
+            for out in outs:                 # added into main_grad at once
+                self.pool.release(out)
             return
         self.outputs.extend(outs)
 
@@ -407,11 +420,14 @@ class MemoryPlan:
         return asdict(self)
 
 
-def plan_memory(cfg: RunConfig, options: PlanOptions = PlanOptions()) -> MemoryPlan:
-    """The memory plan of ``cfg`` (see the module docstring); pure Python, no device."""
+def plan_memory(cfg: RunConfig, options: PlanOptions = PlanOptions(),
+                specs: Optional[list] = None) -> MemoryPlan:
+    """The memory plan of ``cfg`` (see the module docstring); pure Python, no device.
+    ``specs`` (:class:`ParamSpec` with units ``"root"`` and ``"layers.<i>"``) plans another
+    model than ``cfg.model`` (the memory benchmark's dense stack)."""
     if not isinstance(cfg, RunConfig):
         raise InvalidArgumentError(f"plan_memory needs a RunConfig, got {type(cfg).__name__}")
-    geo = _geometry(cfg)
+    geo = _geometry(cfg, specs)
     pool = _PoolReplay(cfg.gradpool.alignment_bytes, cfg.gradpool.max_buckets_in_flight)
     replay = _StepReplay(cfg, geo, pool)
     replay.run()                     # the first step: what it allocates is counted below
@@ -505,18 +521,32 @@ def plan_memory(cfg: RunConfig, options: PlanOptions = PlanOptions()) -> MemoryP
     context["state_and_pool_bytes"] = state + pool.high_water + context["hccl_buffer_bytes"]
     context["with_one_unit_bytes"] = context["state_and_pool_bytes"] + \
         context["largest_unit_gathered_bytes"] + context["largest_unit_grad_bytes"]
+    context["gathered_at_once_bytes"] = _gathered_at_once(cfg, geo)
     context["as_implemented_bytes"] = context["state_and_pool_bytes"] + \
-        context["all_gathered_bytes"] + context["largest_unit_grad_bytes"]
+        context["gathered_at_once_bytes"] + context["largest_unit_grad_bytes"]
     notes = _notes(cfg, pool_plan)
     return MemoryPlan(
         config={"ranks": cfg.launch.ranks, "nodes": cfg.launch.nodes,
                 "device": cfg.launch.device, "comm_fusion": cfg.fully_shard.comm_fusion,
                 "bucket_cap_mib": cfg.gradpool.bucket_cap_mib,
-                "micro_steps": cfg.train.micro_steps},
+                "micro_steps": cfg.train.micro_steps,
+                "reshard_after_forward": cfg.fully_shard.reshard_after_forward},
         mesh={"replicate": geo.replicas, "shard": geo.shards,
               "ranks": geo.replicas * geo.shards},
         params=params, pool=pool_plan, upstream=upstream, megatron=megatron, copy=copy,
         context=context, notes=notes)
+
+
+def _gathered_at_once(cfg: RunConfig, geo: _Geometry) -> int:
+    """Gathered parameters a rank holds at the step's peak, as fully_shard does it: with
+    reshard_after_forward the root (which keeps its own) and two layers (the running one and the
+    one prefetched); without it every unit, from its forward until its backward."""
+    if geo.shards == 1:
+        return 0             # nothing is gathered: the local shard is the whole parameter
+    sizes = [sum(s.numel for s in unit.specs) * ITEMSIZE[geo.compute_dtype] for unit in geo.units]
+    if not cfg.fully_shard.reshard_after_forward:
+        return sum(sizes)
+    return sizes[0] + sum(sorted(sizes[1:], reverse=True)[:2])
 
 
 def _notes(cfg: RunConfig, pool_plan: dict) -> list:
@@ -565,7 +595,10 @@ def format_plan(plan: MemoryPlan, source: str = "") -> str:
          f"{pool['new_allocations_after_step1']} new after step 1"),
         ("  buckets holding reduced shards", pool["output_bytes"],
          f"{pool['reduce_buckets_per_step']} shards of {human(pool['output_data_bytes'])} "
-         f"{p['reduce_dtype']}, until the next zero_grad (a recycled bucket may be larger)"),
+         f"{p['reduce_dtype']}, " + (
+             "given back once added into main_grad: none held after backward"
+             if p["main_grad_bytes"] else
+             "until the next zero_grad (a recycled bucket may be larger)")),
         ("  input buckets in flight, at most", pool["input_peak_bytes"],
          f"bound {pool['max_buckets_in_flight']}; largest input "
          f"{human(pool['largest_input_bytes'])}; fences {pool['fences']}"),
@@ -595,10 +628,21 @@ def format_plan(plan: MemoryPlan, source: str = "") -> str:
                  f"({ctx['hccl_communicators']} communicator(s) x 2 x HCCL_BUFFSIZE)"
                  if ctx["hccl_buffer_bytes"] else ""),
               f"per rank without activations: state + pool {human(ctx['state_and_pool_bytes'])}; "
-              f"+ one unit gathered {human(ctx['with_one_unit_bytes'])}; as implemented today "
-              f"(autograd keeps every gathered unit until backward) "
-              f"{human(ctx['as_implemented_bytes'])}"
+              f"+ one unit gathered {human(ctx['with_one_unit_bytes'])}; as implemented "
+              f"({_as_implemented(plan)}) {human(ctx['as_implemented_bytes'])}"
               + (f"; device {human(ctx['device_memory_bytes'])}"
                  if ctx["device_memory_bytes"] else "")]
+    memory = ctx["device_memory_bytes"]
+    if memory:
+        fits = ctx["as_implemented_bytes"] <= memory
+        lines.append(f"fits a {human(memory)} card without activations: "
+                     f"{'yes' if fits else 'NO'} ({ctx['as_implemented_bytes'] / memory:.0%} of it)")
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def _as_implemented(plan: MemoryPlan) -> str:
+    if plan.config["reshard_after_forward"]:
+        return ("reshard_after_forward: the root and at most two layers gathered at once, the "
+                "running one and the one prefetched; lazy init materialises local shards only")
+    return "reshard_after_forward off: every unit gathered from its forward to its backward"

@@ -798,6 +798,20 @@ for _name, (_overrides, _build, _prepare) in RESHARD_VARIANTS.items():
 
 
 @suite.case
+def reshard_after_forward_mixed_precision_fp16(ctx: Context) -> dict:
+    """param_dtype=float16: the gathered buffers, released and regrown, are float16."""
+    models = []
+    checks = reshard_checks(FIELD, ["train.steps=2", "fully_shard.param_dtype=float16",
+                                    "fully_shard.comm_fusion=true"], prepare=models.append)
+    dtypes = {str(b.dtype) for model in models
+              for u in model._hsdp_units()  # pylint: disable=protected-access
+              for b in u.buffers if b is not None}
+    checks["gathered in float16, in both runs"] = equal((len(models), sorted(dtypes)),
+                                                        (2, ["Float16"]))
+    return checks
+
+
+@suite.case
 def reshard_after_forward_list_unit(ctx: Context) -> dict:
     return reshard_checks(FIELD, ["train.steps=2", "fully_shard.comm_fusion=true"],
                           builder=_list_unit_model)

@@ -26,6 +26,7 @@ from gradpool.app.train import (_batch, build_sharded_model, gathered_params, tr
                                 train_sharded)
 from gradpool.runtime import runtime_for
 from harness import Context, Suite, allclose, equal, late_communicators
+from reshard_checks import reshard_checks
 from hyper_parallel import clip_grad_norm_, fully_shard, init_device_mesh
 from hyper_parallel.core.dtensor.placement_types import Shard
 
@@ -107,6 +108,12 @@ _mesh_case("hsdp_tiny_per_gradient_late", [], late=True)
 _mesh_case("hsdp_tiny_sum_scaled_by_one_quarter_sgd",
            ["fully_shard.reduce_op=sum", "fully_shard.gradient_scaling_factor=0.25",
             "train.optimizer=sgd", "train.learning_rate=0.5", "fully_shard.comm_fusion=true"])
+# reshard_after_forward is the default in every case above (checked against the reference);
+# these check it bit-identical to keeping the gathered parameters, on the (2, 2) mesh
+suite.add("hsdp_reshard_after_forward_fused",
+          lambda ctx: reshard_checks(HSDP, ["fully_shard.comm_fusion=true"]))
+suite.add("hsdp_reshard_after_forward_per_gradient_sync",
+          lambda ctx: reshard_checks(HSDP, ["gradpool.async_reduce=false"]))
 _mesh_case("hsdp_tiny_sgd_avg_synchronous", ["train.optimizer=sgd", "train.learning_rate=0.5",
                                              "fully_shard.comm_fusion=true",
                                              "gradpool.async_reduce=false"])

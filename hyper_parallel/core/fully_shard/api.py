@@ -77,8 +77,12 @@ class HSDPModule:
         self._set_all("is_last_backward", "is_last_backward", is_last_backward)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool) -> None:
-        """True: drop the unit's references to the gathered parameters after forward. On
-        MindSpore 2.10 autograd keeps what backward needs, so this does not lower peak memory."""
+        """True (the default): when the unit's forward ends, the memory of its gathered full
+        parameters goes back (storage resized to 0, in buffers the unit made); before its
+        backward they are gathered again into the same buffers, so a rank holds the gathered
+        parameters of at most the running unit and the one prefetched. A root unit keeps its
+        own (its backward follows at once, as in FSDP2). False: kept from forward to backward.
+        Values are bit-identical either way."""
         self._set_all("reshard_after_forward", "reshard_after_forward", reshard_after_forward)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool) -> None:
@@ -105,10 +109,9 @@ class HSDPModule:
                                                              modules)
 
     def set_modules_to_backward_prefetch(self, modules: list) -> None:
-        """Checked and recorded, with no effect on MindSpore 2.10: its autograd keeps the
-        parameters gathered in forward for backward, so backward never re-gathers and there is
-        nothing to prefetch. Takes effect the day backward re-gathers (reshard after forward
-        that frees the gathered tensors)."""
+        """The units whose gather this unit's backward launches before it computes (default:
+        the next unit in backward order, the previous one in forward order; ``[]`` turns
+        prefetch off). Only units that reshard after forward are gathered again."""
         self._unit().backward_prefetch = self._prefetch_units("set_modules_to_backward_prefetch",
                                                               modules)
 

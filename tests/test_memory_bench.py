@@ -1,0 +1,72 @@
+"""The memory benchmark: its model's specs, the plan it compares with, and a small real run
+(one process unsharded, then 2 msrun ranks with reshard_after_forward on and off). No memory
+figure is asserted (RSS depends on the machine); the values trained are."""
+import re
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+from benchmarks import memory
+from benchmarks.memory_worker import build_stack
+
+ms.set_device("CPU")
+
+
+def test_stack_specs_are_the_built_stacks_parameters():
+    model = build_stack(layers=3, hidden=8, seed=0)
+    built = [(p.name, tuple(p.shape)) for p in model.trainable_params()]
+    specs = memory.stack_specs(3, 8)
+    assert sorted(built) == sorted((s.name, s.shape) for s in specs)
+    assert {s.unit for s in specs} == {"root", "layers.0", "layers.1", "layers.2"}
+    assert memory.MemoryOptions(layers=3, hidden=8).model_bytes == sum(
+        p.asnumpy().nbytes for p in model.trainable_params())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_plan_holds_two_layers_gathered_with_reshard_and_every_layer_without(world):
+    options = memory.MemoryOptions(layers=6, hidden=64)
+    layer_bytes = 64 * 64 * 4
+    on = memory.predicted_bytes(options, world, reshard=True)
+    off = memory.predicted_bytes(options, world, reshard=False)
+    assert off - on == (6 - 2) * layer_bytes
+    # what is always held: this rank's shards (float32), one unit's full gradient, the pool
+    assert on > options.model_bytes // world + 3 * layer_bytes
+
+
+def test_memory_benchmark_small_run(tmp_path):
+    options = memory.MemoryOptions(layers=2, hidden=128, batch=4, steps=2, worlds=(2,),
+                                   timeout=300)
+    result = memory.run(options, tmp_path)
+    assert [r.name for r in result.runs] == ["unsharded", "W=2 reshard=True",
+                                             "W=2 reshard=False"]
+    on, off = result.run(2, True), result.run(2, False)
+    assert [r["rank"] for r in on.records] == [0, 1] and len(off.records) == 2
+    for run in (on, off):
+        for record in run.records:
+            assert record["finite"] and len(record["losses"]) == 2
+            assert record["peak_bytes"] >= record["baseline_bytes"] > 0
+    # resharding changes where parameters live, not what is computed: bit-identical losses
+    assert [r["losses"] for r in on.records] == [r["losses"] for r in off.records]
+    # before the first update rank 0 (input seed 1) computes the unsharded process's first loss
+    first = result.unsharded.records[0]["losses"][0]
+    assert on.records[0]["losses"][0] == pytest.approx(first, rel=1e-6)
+    assert on.records[1]["losses"][0] != pytest.approx(first, rel=1e-3)     # other data
+    # a step updates the weights the same way in both: the second losses differ from the first
+    assert on.records[0]["losses"][1] != on.records[0]["losses"][0]
+    lines = memory.report_lines(result)
+    assert re.fullmatch(r"memory: W=2 -?\d+\.\d MiB \(-?\d+\.\d\dx unsharded\)", lines[-1]), \
+        lines[-1]
+    assert len(lines) == 5 and "plan" in lines[2]
+
+
+def test_memory_options_refuse_bad_sizes():
+    class Args:
+        layers, hidden, batch, steps, worlds = 0, None, None, None, None
+    with pytest.raises(SystemExit, match="--layers must be >= 1, got 0"):
+        memory.options_from(Args(), memory.MemoryOptions())
+    Args.layers, Args.worlds = None, [1, 2]
+    with pytest.raises(SystemExit, match="--worlds must be >= 2"):
+        memory.options_from(Args(), memory.MemoryOptions())
+    Args.worlds = [2]
+    assert memory.options_from(Args(), memory.MemoryOptions.quick()).worlds == (2,)
