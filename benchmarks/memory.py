@@ -2,7 +2,9 @@
 
 One process per configuration (VmHWM is per process): the stack unsharded in one process, then
 under ``fully_shard`` on each world size in ``worlds`` (msrun ranks), with
-``reshard_after_forward`` on and off. Each process is :mod:`benchmarks.memory_worker`; it
+``reshard_after_forward`` on and off, and the control: the same world's collectives, with the
+stack's shapes and counts, and no model (MindSpore's CPU collectives run as compiled graphs that
+keep memory of their own; the control measures it). Each process is :mod:`benchmarks.memory_worker`; it
 publishes its record into its rank report, read back here. Next to each measured figure stands
 the memory plan's prediction (:func:`gradpool.app.plan.plan_memory`) for the same model.
 
@@ -45,6 +47,7 @@ class MemoryOptions:
     steps: int = 3
     worlds: tuple = (2, 4)
     reshard: tuple = (True, False)
+    control: bool = True               # also run each world's collectives without a model
     timeout: float = 900.0
 
     @classmethod
@@ -85,6 +88,7 @@ class Run:
 class MemoryResult:
     options: MemoryOptions
     runs: list
+    controls: dict = field(default_factory=dict)     # world -> the collectives-only Run
 
     def run(self, world: int, reshard: Optional[bool] = True) -> Run:
         return next(r for r in self.runs
@@ -137,30 +141,40 @@ def _run_unsharded(options: MemoryOptions, out_dir: Path) -> Run:
     return Run("unsharded", 1, None, _records(out_dir, 1, "unsharded"))
 
 
-def _run_sharded(options: MemoryOptions, out_dir: Path, world: int, reshard: bool) -> Run:
+def _launch(options: MemoryOptions, out_dir: Path, world: int, name: str, flags: list) -> list:
     from gradpool.app.launch import LaunchError, run_ranks
-    name = f"W={world} reshard={reshard}"
     try:
-        run_ranks(WORKER, [str(out_dir), "--reshard", str(reshard).lower(),
-                           *options.worker_args()],
-                  nproc=world, log_dir=out_dir / f"logs-w{world}-{str(reshard).lower()}",
-                  report_dir=out_dir, timeout=options.timeout)
+        run_ranks(WORKER, [str(out_dir), *flags, *options.worker_args()], nproc=world,
+                  log_dir=out_dir / "logs", report_dir=out_dir, timeout=options.timeout)
     except LaunchError as exc:
         raise MemoryBenchmarkError(f"{name}: {exc}") from None
-    run = Run(name, world, reshard, _records(out_dir, world, name))
+    return _records(out_dir, world, name)
+
+
+def _run_sharded(options: MemoryOptions, out_dir: Path, world: int, reshard: bool) -> Run:
+    name = f"W={world} reshard={reshard}"
+    run = Run(name, world, reshard,
+              _launch(options, out_dir, world, name, ["--reshard", str(reshard).lower()]))
     run.plan_bytes = predicted_bytes(options, world, reshard)
     return run
+
+
+def _run_control(options: MemoryOptions, out_dir: Path, world: int) -> Run:
+    name = f"W={world} collectives only"
+    return Run(name, world, None, _launch(options, out_dir, world, name, ["--collectives-only"]))
 
 
 def run(options: MemoryOptions = MemoryOptions(), out_dir=None) -> MemoryResult:
     """Every configuration, one after the other (they would share the cores)."""
     base = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="gp-memory-"))
-    runs = [_run_unsharded(options, base / "unsharded")]
+    result = MemoryResult(options, [_run_unsharded(options, base / "unsharded")])
     for world in options.worlds:
         for reshard in options.reshard:
-            runs.append(_run_sharded(options, base / f"w{world}-{str(reshard).lower()}",
-                                     world, reshard))
-    return MemoryResult(options, runs)
+            result.runs.append(_run_sharded(options, base / f"w{world}-{str(reshard).lower()}",
+                                            world, reshard))
+        if options.control:
+            result.controls[world] = _run_control(options, base / f"w{world}-control", world)
+    return result
 
 
 def _mib(nbytes: float) -> str:
@@ -184,7 +198,14 @@ def report_lines(result: MemoryResult) -> list:
                      f"at peak {_mib(held)} MiB, plan {_mib(run.plan_bytes)} MiB "
                      f"({run.plan_bytes / held - 1:+.0%})")
         lines.append(line)
-    # the headline is the default, reshard_after_forward=True
+    for world, control in result.controls.items():
+        held = control.growth_bytes
+        net = result.run(world).growth_bytes - held
+        lines.append(f"  W={world} collectives only: growth {_mib(held)} MiB with no model (the "
+                     f"stack's all-gathers and reduce-scatters on buffers made before the "
+                     f"baseline); reshard=True net of it {_mib(net)} MiB "
+                     f"({net / unsharded:.2f}x unsharded, a diagnostic, not the headline)")
+    # the headline is the default, reshard_after_forward=True, nothing subtracted
     lines.append("memory: " + ", ".join(
         f"W={w} {_mib(result.run(w).growth_bytes)} MiB ({result.ratio(w):.2f}x unsharded)"
         for w in o.worlds))

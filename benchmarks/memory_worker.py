@@ -200,6 +200,49 @@ def run_one(*, layers: int, hidden: int, batch: int, steps: int, sharded: bool,
     }
 
 
+def run_collectives_only(*, layers: int, hidden: int, steps: int, rank: int, world: int,
+                         device: str) -> dict:
+    """The control: no model, only the collectives a resharding step of the stack runs, on
+    buffers made before the baseline (per layer and step: the forward's all-gather, the
+    backward's all-gather and the gradient's reduce-scatter, with the stack's shapes). What it
+    grows is what the backend's collectives themselves hold (MindSpore's CPU collectives run as
+    compiled graphs and keep memory per graph and shape)."""
+    import mindspore as ms
+    from mindspore import mint
+    from gradpool.comm import communicator_for
+    from gradpool.runtime import GradPoolConfig, runtime_for
+    before = read_status()["VmRSS"]
+    import hyper_parallel  # noqa: F401  (the same fixed cost the sharded runs pre-pay)
+    runtime_for(GradPoolConfig())
+    library_bytes = read_status()["VmRSS"] - before
+    comm = communicator_for()
+    full = hidden * hidden
+    shard = -(-full // world)
+    gathered = mint.zeros(shard * world, dtype=ms.float32)
+    local = mint.zeros(shard, dtype=ms.float32)
+    gradient = mint.ones(shard * world, dtype=ms.float32)
+    reduced = mint.zeros(shard, dtype=ms.float32)
+    gc.collect()
+    _sync()
+    meter = Meter(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        for _ in range(layers):
+            comm.all_gather(gathered, local)
+        for _ in range(layers):
+            comm.all_gather(gathered, local)
+            comm.reduce_scatter(reduced, gradient, op="avg")
+    _sync()
+    peak = meter.peak()
+    return {"rank": rank, "world": world, "sharded": True, "collectives_only": True,
+            "layers": layers, "hidden": hidden, "steps": steps,
+            "baseline_bytes": meter.baseline, "peak_bytes": peak,
+            "growth_bytes": peak - meter.baseline, "source": meter.source,
+            "high_water_reset": meter.reset, "pool_high_water_bytes": 0,
+            "library_bytes": library_bytes, "losses": [], "finite": True,
+            "seconds": time.perf_counter() - start, "pid": os.getpid()}
+
+
 def _flag(text: str) -> bool:
     if text.lower() in ("true", "1", "yes"):
         return True
@@ -219,6 +262,8 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--collectives-only", action="store_true",
+                        help="the control: the stack's collectives without a model")
     parser.add_argument("--main-grad", action="store_true",
                         help="MixedPrecisionPolicy(apply_grad_on_fp32_main_grad=True)")
     parser.add_argument("--no-prefetch", action="store_true",
@@ -237,17 +282,23 @@ def main(argv=None) -> int:
         # compete for them (see gradpool.device.block_launches); also what gradpool train does
         from gradpool.device import block_launches
         block_launches()
-    name = "unsharded" if args.unsharded else f"W={world} reshard={args.reshard}"
     reporter = rank_report.reporter_for(args.out_dir, rank, world)
-    record = run_one(layers=args.layers, hidden=args.hidden, batch=args.batch, steps=args.steps,
-                     sharded=not args.unsharded, reshard_after_forward=args.reshard,
-                     main_grad=args.main_grad, prefetch=not args.no_prefetch, rank=rank,
-                     world=world, device=args.device)
+    if args.collectives_only:
+        name = f"W={world} collectives only"
+        record = run_collectives_only(layers=args.layers, hidden=args.hidden, steps=args.steps,
+                                      rank=rank, world=world, device=args.device)
+    else:
+        name = "unsharded" if args.unsharded else f"W={world} reshard={args.reshard}"
+        record = run_one(layers=args.layers, hidden=args.hidden, batch=args.batch,
+                         steps=args.steps, sharded=not args.unsharded,
+                         reshard_after_forward=args.reshard, main_grad=args.main_grad,
+                         prefetch=not args.no_prefetch, rank=rank, world=world,
+                         device=args.device)
     reporter.publish_entry("runs", name, record)
     print(f"{name} rank {rank}: growth {record['growth_bytes'] / MIB:.1f} MiB (baseline "
           f"{record['baseline_bytes'] / MIB:.1f}, peak {record['peak_bytes'] / MIB:.1f}), pool "
-          f"high-water {record['pool_high_water_bytes'] / MIB:.1f} MiB, steps "
-          f"{[round(s, 2) for s in record['step_seconds']]} s", flush=True)
+          f"high-water {record['pool_high_water_bytes'] / MIB:.1f} MiB, "
+          f"{record['seconds']:.2f} s", flush=True)
     return 0 if record["finite"] else 1
 
 

@@ -1,5 +1,6 @@
 """The memory benchmark: its model's specs, the plan it compares with, and a small real run
-(one process unsharded, then 2 msrun ranks with reshard_after_forward on and off). No memory
+(one process unsharded, then 2 msrun ranks with reshard_after_forward on and off, and the
+collectives-only control). No memory
 figure is asserted (RSS depends on the machine); the values trained are."""
 import re
 
@@ -57,7 +58,12 @@ def test_memory_benchmark_small_run(tmp_path):
     lines = memory.report_lines(result)
     assert re.fullmatch(r"memory: W=2 -?\d+\.\d MiB \(-?\d+\.\d\dx unsharded\)", lines[-1]), \
         lines[-1]
-    assert len(lines) == 5 and "plan" in lines[2]
+    assert len(lines) == 6 and "plan" in lines[2]
+    control = result.controls[2]
+    assert [r["rank"] for r in control.records] == [0, 1]
+    assert all(r["collectives_only"] and r["peak_bytes"] >= r["baseline_bytes"]
+               for r in control.records)
+    assert lines[4].startswith("  W=2 collectives only: growth ") and "net of it" in lines[4]
 
 
 def test_memory_options_refuse_bad_sizes():
