@@ -76,3 +76,10 @@ def test_memory_options_refuse_bad_sizes():
         memory.options_from(Args(), memory.MemoryOptions())
     Args.worlds = [2]
     assert memory.options_from(Args(), memory.MemoryOptions.quick()).worlds == (2,)
+
+
+def test_the_memory_suite_refuses_ascend_from_the_command_in_one_line(capsys):
+    from gradpool.app.cli import EXIT_USAGE, main
+    assert main(["bench", "--suite", "memory", "--device", "Ascend"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "memory_worker.py under msrun with --device Ascend" in err and err.count("\n") == 1

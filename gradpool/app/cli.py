@@ -391,15 +391,8 @@ def _bench_overlap(args) -> int:
     if args.device != "CPU":
         raise _UsageError("--suite overlap runs on CPU (world size 1, a modelled network); "
                           f"got --device {args.device}")
-    try:
-        result = overlap.run(overlap.OverlapOptions.quick() if args.quick
-                             else overlap.OverlapOptions())
-    except overlap.OverlapBenchmarkError as exc:
-        print(f"gradpool bench: FAILED: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    for line in overlap.report_lines(result):
-        print(line)
-    return EXIT_OK
+    return _run_report_suite(args, overlap.run, overlap.OverlapOptions,
+                             overlap.OverlapBenchmarkError, overlap.report_lines)
 
 
 def _bench_memory(args) -> int:
@@ -408,13 +401,18 @@ def _bench_memory(args) -> int:
         raise _UsageError("--suite memory runs on CPU from this command; on Ascend launch "
                           "benchmarks/memory_worker.py under msrun with --device Ascend "
                           f"(docs/benchmarks/memory.md); got --device {args.device}")
+    return _run_report_suite(args, memory.run, memory.MemoryOptions,
+                             memory.MemoryBenchmarkError, memory.report_lines)
+
+
+def _run_report_suite(args, run, options, error, report_lines) -> int:
+    """A suite that runs with its options (``quick()`` under ``--quick``) and prints its report."""
     try:
-        result = memory.run(memory.MemoryOptions.quick() if args.quick
-                            else memory.MemoryOptions())
-    except memory.MemoryBenchmarkError as exc:
+        result = run(options.quick() if args.quick else options())
+    except error as exc:
         print(f"gradpool bench: FAILED: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    for line in memory.report_lines(result):
+    for line in report_lines(result):
         print(line)
     return EXIT_OK
 
