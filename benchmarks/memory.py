@@ -4,21 +4,22 @@ One process per configuration (VmHWM is per process): the stack unsharded in one
 under ``fully_shard`` on each world size in ``worlds`` (msrun ranks), with
 ``reshard_after_forward`` on and off, and the control: the same world's collectives, with the
 stack's shapes and counts, and no model (MindSpore's CPU collectives run as compiled graphs that
-keep memory of their own; the control measures it). Each process is :mod:`benchmarks.memory_worker`; it
-publishes its record into its rank report, read back here. Next to each measured figure stands
+keep memory of their own; the control measures it). Each process is
+:mod:`benchmarks.memory_worker`; it publishes its record into its rank report, read back here. Next to each measured figure stands
 the memory plan's prediction (:func:`gradpool.app.plan.plan_memory`) for the same model.
 
 What is compared: ``growth`` is a process's peak above its RSS right after the model was built
 (the built full parameters are in that baseline; ``fully_shard`` releases them). The plan
 predicts all the model holds at the peak, so it is set against ``growth + full model bytes``
-(activations, ``batch x hidden`` per layer, are left out of
-both: 128 KiB a layer at the defaults).
+(activations, ``batch x hidden`` per layer, are left out of both: 128 KiB a layer at the
+defaults).
 
     python -m benchmarks.memory [--quick] [--layers N --hidden H --batch B --steps S]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import subprocess
 import sys
 import tempfile
@@ -215,7 +216,6 @@ def report_lines(result: MemoryResult) -> list:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps (under 3 minutes)")
-    defaults = MemoryOptions()
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--hidden", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None)
@@ -224,7 +224,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="where the runs' reports and logs go (default: a new temp dir)")
     args = parser.parse_args(argv)
-    options = options_from(args, MemoryOptions.quick() if args.quick else defaults)
+    options = options_from(args, MemoryOptions.quick() if args.quick else MemoryOptions())
     try:
         result = run(options, args.out_dir)
     except MemoryBenchmarkError as exc:
@@ -250,7 +250,7 @@ def options_from(args, base: MemoryOptions) -> MemoryOptions:
             raise SystemExit(f"memory bench: --worlds must be >= 2 (1 is the unsharded run), "
                              f"got {worlds}")
         values["worlds"] = tuple(worlds)
-    return MemoryOptions(**{**base.__dict__, **values})
+    return dataclasses.replace(base, **values)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,17 @@ class Meter:
         return read_status()["VmHWM"]
 
 
+def prepay_library() -> int:
+    """Pay the library's fixed cost (imports, the pool's compiled host loops) before the
+    baseline, and return it: it does not scale with the model, and the unsharded run does not
+    pay it."""
+    before = read_status()["VmRSS"]
+    import hyper_parallel  # noqa: F401
+    from gradpool.runtime import GradPoolConfig, runtime_for
+    runtime_for(GradPoolConfig())
+    return read_status()["VmRSS"] - before
+
+
 def build_stack(layers: int, hidden: int, seed: int):
     """The dense stack with fixed weights (every rank builds the same ones)."""
     import mindspore as ms
@@ -129,16 +140,7 @@ def run_one(*, layers: int, hidden: int, batch: int, steps: int, sharded: bool,
     import numpy as np
     from mindspore import mint, ops
 
-    library_bytes = 0
-    if sharded:
-        # the library's fixed cost (imports, the pool's compiled host loops) is paid before the
-        # baseline: it does not scale with the model, and the unsharded run does not pay it
-        before = read_status()["VmRSS"]
-        import hyper_parallel  # noqa: F401
-        from gradpool.runtime import GradPoolConfig
-        from gradpool.runtime import runtime_for
-        runtime_for(GradPoolConfig())
-        library_bytes = read_status()["VmRSS"] - before
+    library_bytes = prepay_library() if sharded else 0
     model = build_stack(layers, hidden, seed=0)
     x = ms.Tensor(np.random.default_rng(1 + rank).standard_normal((batch, hidden),
                                                                    dtype=np.float32))
@@ -210,11 +212,7 @@ def run_collectives_only(*, layers: int, hidden: int, steps: int, rank: int, wor
     import mindspore as ms
     from mindspore import mint
     from gradpool.comm import communicator_for
-    from gradpool.runtime import GradPoolConfig, runtime_for
-    before = read_status()["VmRSS"]
-    import hyper_parallel  # noqa: F401  (the same fixed cost the sharded runs pre-pay)
-    runtime_for(GradPoolConfig())
-    library_bytes = read_status()["VmRSS"] - before
+    library_bytes = prepay_library()
     comm = communicator_for()
     full = hidden * hidden
     shard = -(-full // world)

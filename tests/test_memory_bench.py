@@ -1,7 +1,7 @@
 """The memory benchmark: its model's specs, the plan it compares with, and a small real run
 (one process unsharded, then 2 msrun ranks with reshard_after_forward on and off, and the
-collectives-only control). No memory
-figure is asserted (RSS depends on the machine); the values trained are."""
+collectives-only control). No memory figure is asserted (RSS depends on the machine); the
+values trained are."""
 import re
 
 import mindspore as ms
