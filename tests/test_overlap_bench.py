@@ -40,6 +40,10 @@ def test_overlap_benchmark_reports_its_three_modes():
     assert all(m.collectives == [3] for m in result.modes)
     assert result.latency_seconds == 0.005 and result.layer_backward_seconds > 0
     lines = overlap.report_lines(result)
-    assert re.fullmatch(r"overlap: sync \d+\.\d ms, async \d+\.\d ms, latency hidden -?\d+%",
-                        lines[-1]), lines[-1]
-    assert len(lines) == 6
+    assert re.fullmatch(r"overlap: sync \d+\.\d ms, async \d+\.\d ms, latency hidden -?\d+% "
+                        r"\(net of the no-network control\)", lines[-1]), lines[-1]
+    assert f"hidden {result.hidden_fraction_net * 100:.0f}% (net" in lines[-1]
+    # 2 layers + the root: 3 collectives, of which only the last layer's can be hidden
+    assert result.ideal_fraction == pytest.approx(1 / 3)
+    assert lines[-2].startswith("  ideal for 2 layers: 33% (1 of 3 collectives")
+    assert len(lines) == 7
