@@ -40,7 +40,7 @@ _EXPORTS = {
                         "LayoutMismatchError", "LeaseStateError", "ForeignLeaseError", "InvalidFenceError",
                         "PoolCapacityError", "CommError", "LaunchError", "ConfigError",
                         "ConfigValueError", "UnknownConfigKeyError", "OverrideSyntaxError",
-                        "GradientIntegrityError", "ArgumentTypeError", "check_bool", "check_int",
+                        "GradientIntegrityError", "NonFiniteNormError", "ArgumentTypeError", "check_bool", "check_int",
                         "check_positive_number"),
 }
 # Names that would shadow the submodule they live in (``gradpool.pack``) go out under another.

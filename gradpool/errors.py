@@ -57,6 +57,10 @@ class GradientIntegrityError(GradPoolError, RuntimeError):
     """A gradient handed to the reduce path was changed or freed before the path was done."""
 
 
+class NonFiniteNormError(GradPoolError, RuntimeError):
+    """``clip_grad_norm_(..., error_if_nonfinite=True)`` found a NaN or infinite gradient norm."""
+
+
 class UnknownConfigKeyError(ConfigError):
     """A config file or override names a section or key the schema does not have."""
 

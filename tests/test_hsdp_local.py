@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mindspore import Parameter, mint, nn
 
-from gradpool import GradPoolConfig, InvalidArgumentError, SingleProcessCommunicator
+from gradpool import GradPoolConfig, InvalidArgumentError, NonFiniteNormError, SingleProcessCommunicator
 from gradpool import runtime as runtime_module
 from gradpool.testing import FaultInjectingCommunicator
 from hyper_parallel import DeviceMesh, clip_grad_norm_, fully_shard
@@ -220,3 +220,43 @@ def test_clip_grad_norm_refuses_bad_arguments(kwargs, needle):
     net = fully_shard(Two(), mp_policy=MAIN_GRAD)
     with pytest.raises(InvalidArgumentError, match=needle):
         clip_grad_norm_(net.trainable_params(), **kwargs)
+
+
+@pytest.mark.parametrize("bad, norm_type, want", [
+    (math.nan, 2.0, math.nan), (math.inf, 2.0, math.inf), (math.inf, math.inf, math.inf),
+    (math.nan, 1.0, math.nan)])
+def test_clip_grad_norm_of_a_nonfinite_gradient_clips_nothing(bad, norm_type, want):
+    net = Two()
+    fully_shard(net, mp_policy=MAIN_GRAD, replicate_params={net.b.weight})
+    grads_of(net)
+    params = net.trainable_params()
+    values = params[0].main_grad.asnumpy().copy()
+    values.reshape(-1)[0] = bad
+    params[0].main_grad = ms.Tensor(values)
+    before = [p.main_grad.asnumpy().copy() for p in params]
+    norm = float(clip_grad_norm_(params, 1e-3, norm_type=norm_type).asnumpy())
+    assert (math.isnan(norm) if math.isnan(want) else norm == want), norm
+    for p, b in zip(params, before):          # max_norm is tiny: a finite norm would clip
+        np.testing.assert_array_equal(p.main_grad.asnumpy(), b)
+    with pytest.raises(NonFiniteNormError, match="norm of the gradients is"):
+        clip_grad_norm_(params, 1e-3, norm_type=norm_type, error_if_nonfinite=True)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 3.0, math.inf])
+def test_clip_grad_norm_reads_the_device_once_per_call(monkeypatch, norm_type):
+    """The norm stays on device until the total: one device-to-host read per call, however many
+    parameters (today's host path read every gradient)."""
+    net = Two()
+    fully_shard(net, mp_policy=MAIN_GRAD, replicate_params={net.b.weight})
+    grads_of(net)
+    params = net.trainable_params()
+    flat = np.concatenate([p.main_grad.asnumpy().astype(np.float64).ravel() for p in params])
+    reads = []
+    real = ms.Tensor.asnumpy
+    monkeypatch.setattr(ms.Tensor, "asnumpy", lambda self: reads.append(1) or real(self))
+    norm = clip_grad_norm_(params, 1e9, norm_type=norm_type)
+    assert len(params) > 1 and len(reads) == 1
+    monkeypatch.undo()
+    want = np.abs(flat).max() if math.isinf(norm_type) else (np.abs(flat) ** norm_type).sum() \
+        ** (1 / norm_type)
+    np.testing.assert_allclose(float(norm.asnumpy()), want, rtol=1e-6)

@@ -17,7 +17,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import mint
 
-from gradpool import InvalidArgumentError, overwrite
+from gradpool import InvalidArgumentError, NonFiniteNormError, check_bool, overwrite
 
 _EPS = 1e-6
 
@@ -44,63 +44,108 @@ def _valid_part(grad: ms.Tensor, managed) -> Optional[ms.Tensor]:
     return grad if valid == slot.chunk_size else grad.narrow(slot.shard_dim, 0, valid)
 
 
-def _local(grad: ms.Tensor, norm_type: float) -> float:
-    values = np.abs(grad.astype(ms.float32).asnumpy().astype(np.float64))
-    return float(values.max(initial=0.0)) if math.isinf(norm_type) \
-        else float((values ** norm_type).sum())
+_CHUNK_NUMEL = 1 << 22     # 16 MiB of float32 per fused reduction: few ops, a bounded temporary
 
 
-def _across(comm, value: float, norm_type: float) -> float:
-    """``value`` summed (or, for the inf norm, maxed) over ``comm``'s ranks."""
+def _shares(parts: list, norm_type: float) -> list:
+    """0-d float32 device tensors, max |g| (inf) or sum |g|^p, one per run of ``parts`` joined
+    into a flat tensor of at most ``_CHUNK_NUMEL`` elements: one reduction per run, not one per
+    gradient, since per-op dispatch dominates for small gradients."""
+    return [_share(run, norm_type) for run in _runs(parts)]
+
+
+def _runs(parts: list):
+    run, numel = [], 0
+    for part in parts:
+        if run and numel + part.numel() > _CHUNK_NUMEL:
+            yield run
+            run, numel = [], 0
+        run.append(part.reshape(-1).astype(ms.float32))
+        numel += part.numel()
+    if run:
+        yield run
+
+
+def _share(run: list, norm_type: float) -> ms.Tensor:
+    values = mint.abs(run[0] if len(run) == 1 else mint.cat(run))
+    if math.isinf(norm_type):
+        return mint.max(values)
+    if norm_type == 2.0:
+        return mint.sum(mint.square(values))
+    return mint.sum(values if norm_type == 1.0 else mint.pow(values, norm_type))
+
+
+def _combine(values: list, norm_type: float) -> ms.Tensor:
+    """One (1,)-shaped device tensor: the max (inf) or the sum of 0-d or (1,) ``values``."""
+    # cat, not stack: the CPU backend has no StackExt kernel
+    stacked = mint.cat([v.reshape(1) for v in values]) if values \
+        else mint.zeros(1, dtype=ms.float32)
+    combined = mint.max(stacked) if math.isinf(norm_type) else mint.sum(stacked)
+    return combined.reshape(1)
+
+
+def _across(comm, value: ms.Tensor, norm_type: float) -> ms.Tensor:
+    """``value`` ((1,) float32) summed (or, for the inf norm, maxed) over ``comm``'s ranks: one
+    collective, on device."""
     if comm.world_size == 1:
         return value
     if math.isinf(norm_type):
         gathered = mint.empty(comm.world_size, dtype=ms.float32)
-        comm.all_gather(gathered, ms.Tensor(np.array([value], np.float32))).wait()
-        return float(gathered.asnumpy().max())
-    total = ms.Tensor(np.array([value], np.float32))
+        comm.all_gather(gathered, value).wait()
+        return mint.max(gathered).reshape(1)
+    total = mint.mul(value, 1.0)        # the collective reduces in place: a tensor of its own
     comm.all_reduce(total, op="sum").wait()
-    return float(total.asnumpy()[0])
+    return total
 
 
 def clip_grad_norm_(parameters: Iterable, max_norm: float, norm_type: float = 2.0, *,
-                    grads: Optional[Sequence[ms.Tensor]] = None) -> ms.Tensor:
+                    grads: Optional[Sequence[ms.Tensor]] = None,
+                    error_if_nonfinite: bool = False) -> ms.Tensor:
     """The total ``norm_type`` norm of the gradients of ``parameters`` (the local shards that
     ``model.trainable_params()`` gives) as if the model were unsharded; when it exceeds
     ``max_norm`` every gradient is scaled in place by ``max_norm / (norm + 1e-6)``.
 
     ``grads=None`` uses each parameter's ``main_grad`` (None: no gradient, skipped). Returns the
-    norm as a 0-d float32 tensor. Every rank must call it (it runs collectives)."""
+    norm as a 0-d float32 tensor. Every rank must call it (it runs collectives).
+
+    The norm is computed on the gradients' device in float32: one collective per shard group and
+    one host synchronisation (reading the total). A NaN or infinite gradient gives a NaN or
+    infinite norm and no clipping, as in PyTorch; ``error_if_nonfinite=True`` raises
+    :class:`gradpool.errors.NonFiniteNormError` instead."""
     norm_type = _check(max_norm, norm_type)
+    check_bool("error_if_nonfinite", error_if_nonfinite)
     params = list(parameters)
     if grads is None:
         grads = [getattr(p, "main_grad", None) for p in params]
     elif len(grads) != len(params):
         raise InvalidArgumentError(
             f"grads has {len(grads)} entries for {len(params)} parameters; give one each")
-    replicated = 0.0
-    per_group: dict[int, list] = {}            # id(shard comm) -> [comm, local sum]
+    replicated: list = []
+    per_group: dict[int, list] = {}            # id(shard comm) -> [comm, local parts]
     for param, grad in zip(params, grads):
         if grad is None:
             continue
         managed = getattr(param, "hsdp_param", None)
-        part = _valid_part(grad, managed)
-        if part is None or part.numel() == 0:
-            local = 0.0
-        else:
-            local = _local(part, norm_type)
         if managed is None or managed.replicate:
-            replicated = max(replicated, local) if math.isinf(norm_type) else replicated + local
-            continue
-        entry = per_group.setdefault(id(managed.comm), [managed.comm, 0.0])
-        entry[1] = max(entry[1], local) if math.isinf(norm_type) else entry[1] + local
-    parts = [replicated] + [_across(comm, value, norm_type) for comm, value in per_group.values()]
-    if math.isinf(norm_type):
-        total = max(parts)
-    else:
-        total = sum(parts) ** (1.0 / norm_type)
+            shares = replicated
+        else:   # registered even with nothing local: every rank of the group joins its collective
+            shares = per_group.setdefault(id(managed.comm), [managed.comm, []])[1]
+        part = _valid_part(grad, managed)
+        if part is not None and part.numel() > 0:
+            shares.append(part)
+    parts = [_combine(_shares(replicated, norm_type), norm_type)] + [
+        _across(comm, _combine(_shares(values, norm_type), norm_type), norm_type)
+        for comm, values in per_group.values()]
+    combined = _combine(parts, norm_type)
+    if not math.isinf(norm_type):
+        combined = mint.pow(combined, 1.0 / norm_type)
+    total = float(combined.asnumpy()[0])       # the call's one host synchronisation
+    if error_if_nonfinite and not math.isfinite(total):
+        raise NonFiniteNormError(f"the total {norm_type:g}-norm of the gradients is {total}; "
+                                 "find the NaN or infinite gradient, or pass "
+                                 "error_if_nonfinite=False to skip clipping")
     coef = max_norm / (total + _EPS)
-    if coef < 1.0:
+    if math.isfinite(total) and coef < 1.0:     # a non-finite norm clips nothing
         for grad in grads:
             if grad is not None:
                 # mul_ is out-of-place on CPU: compute, then write into the gradient's own memory
