@@ -17,10 +17,10 @@ backward has nothing left to compute, and the last layer's has only the embeddin
 behind it, so at most
 ``(layers - 1) / (layers + 1)`` of the latency can be hidden (1/3 with 2 layers, 7/9 with 8).
 
-Latency hidden = (sync - async) / (collectives per step x L). Each timed step is followed by a
-control step of the same model with no network (L = 0): the sync-async difference that remains
-there (a synchronous wait also keeps the host from queueing compute ahead of the kernels) is
-reported, and the hidden fraction net of it. The three models start equal and see the same
+Each timed step is followed by a control step of the same model with no network (L = 0). The
+summary line reports the latency hidden net of that control: ((sync - async) - (the same
+difference with no network)) / (collectives per step x L). The gross (sync - async) / (collectives
+per step x L) is printed above it; it also counts the synchronous path's own cost. The three models start equal and see the same
 batches, so after timing their parameters must be equal bit for bit (checked: a reduce
 applied twice, lost or read early would show here).
 """

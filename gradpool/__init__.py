@@ -40,8 +40,8 @@ _EXPORTS = {
                         "LayoutMismatchError", "LeaseStateError", "ForeignLeaseError", "InvalidFenceError",
                         "PoolCapacityError", "CommError", "LaunchError", "ConfigError",
                         "ConfigValueError", "UnknownConfigKeyError", "OverrideSyntaxError",
-                        "GradientIntegrityError", "NonFiniteNormError", "ArgumentTypeError", "check_bool", "check_int",
-                        "check_positive_number"),
+                        "GradientIntegrityError", "NonFiniteNormError", "ArgumentTypeError",
+                        "check_bool", "check_int", "check_positive_number"),
 }
 # Names that would shadow the submodule they live in (``gradpool.pack``) go out under another.
 _RENAMED = {"pack_bucket": ("gradpool.pack", "pack"),

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from mindspore import Parameter, mint, nn
 
-from gradpool import GradPoolConfig, InvalidArgumentError, NonFiniteNormError, SingleProcessCommunicator
+from gradpool import (GradPoolConfig, InvalidArgumentError, NonFiniteNormError,
+                      SingleProcessCommunicator)
 from gradpool import runtime as runtime_module
 from gradpool.testing import FaultInjectingCommunicator
 from hyper_parallel import DeviceMesh, clip_grad_norm_, fully_shard

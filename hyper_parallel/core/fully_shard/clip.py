@@ -127,12 +127,12 @@ def clip_grad_norm_(parameters: Iterable, max_norm: float, norm_type: float = 2.
             continue
         managed = getattr(param, "hsdp_param", None)
         if managed is None or managed.replicate:
-            shares = replicated
+            group_parts = replicated
         else:   # registered even with nothing local: every rank of the group joins its collective
-            shares = per_group.setdefault(id(managed.comm), [managed.comm, []])[1]
+            group_parts = per_group.setdefault(id(managed.comm), [managed.comm, []])[1]
         part = _valid_part(grad, managed)
         if part is not None and part.numel() > 0:
-            shares.append(part)
+            group_parts.append(part)
     parts = [_combine(_shares(replicated, norm_type), norm_type)] + [
         _across(comm, _combine(_shares(values, norm_type), norm_type), norm_type)
         for comm, values in per_group.values()]
