@@ -40,7 +40,8 @@ _EXPORTS = {
                         "LayoutMismatchError", "LeaseStateError", "ForeignLeaseError", "InvalidFenceError",
                         "PoolCapacityError", "CommError", "LaunchError", "ConfigError",
                         "ConfigValueError", "UnknownConfigKeyError", "OverrideSyntaxError",
-                        "GradientIntegrityError", "NonFiniteNormError", "ArgumentTypeError",
+                        "GradientIntegrityError", "NonFiniteNormError", "CheckpointError",
+                        "StateMismatchError", "ArgumentTypeError",
                         "check_bool", "check_int", "check_positive_number"),
 }
 # Names that would shadow the submodule they live in (``gradpool.pack``) go out under another.

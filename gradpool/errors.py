@@ -61,6 +61,16 @@ class NonFiniteNormError(GradPoolError, RuntimeError):
     """``clip_grad_norm_(..., error_if_nonfinite=True)`` found a NaN or infinite gradient norm."""
 
 
+class CheckpointError(GradPoolError, RuntimeError):
+    """A checkpoint on disk cannot be read or written: missing, truncated or corrupted (the
+    message names the file), or a save that failed on some rank."""
+
+
+class StateMismatchError(GradPoolError, ValueError):
+    """A state dict or checkpoint does not fit the model or optimizer it is loaded into: a key
+    missing or unexpected, another shape or dtype (the message names the first bad key)."""
+
+
 class UnknownConfigKeyError(ConfigError):
     """A config file or override names a section or key the schema does not have."""
 

@@ -2,6 +2,11 @@
 from hyper_parallel.core.device_mesh import DeviceMesh, init_device_mesh
 from hyper_parallel.core.fully_shard.api import HSDPModule, fully_shard, hsdp_sync_stream
 from hyper_parallel.core.fully_shard.clip import clip_grad_norm_
+from hyper_parallel.core.fully_shard.state_dict import (ShardedTensor, get_model_state_dict,
+                                                        get_optimizer_state_dict,
+                                                        set_model_state_dict,
+                                                        set_optimizer_state_dict)
 
 __all__ = ["fully_shard", "hsdp_sync_stream", "HSDPModule", "DeviceMesh", "init_device_mesh",
-           "clip_grad_norm_"]
+           "clip_grad_norm_", "get_model_state_dict", "set_model_state_dict",
+           "get_optimizer_state_dict", "set_optimizer_state_dict", "ShardedTensor"]

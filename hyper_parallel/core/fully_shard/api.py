@@ -23,6 +23,10 @@ from gradpool import (GradPoolConfig, InvalidArgumentError, all_runtimes, check_
                       runtime_for)
 from hyper_parallel.core.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.placement_types import Shard
+from hyper_parallel.core.fully_shard.state_dict import (get_model_state_dict,
+                                                        get_optimizer_state_dict,
+                                                        set_model_state_dict,
+                                                        set_optimizer_state_dict)
 from hyper_parallel.core.fully_shard.utils import (CPUOffloadPolicy, MixedPrecisionPolicy,
                                                    OffloadPolicy)
 from hyper_parallel.platform.mindspore.fully_shard.param import MindSporeHSDPParamV2
@@ -30,7 +34,8 @@ from hyper_parallel.platform.mindspore.fully_shard.state import (HSDPUnitState,
                                                                   finish_async_reduces)
 
 __all__ = ["fully_shard", "HSDPModule", "hsdp_sync_stream", "MixedPrecisionPolicy",
-           "OffloadPolicy", "CPUOffloadPolicy"]
+           "OffloadPolicy", "CPUOffloadPolicy", "get_model_state_dict", "set_model_state_dict",
+           "get_optimizer_state_dict", "set_optimizer_state_dict"]
 logger = logging.getLogger(__name__)
 _EXTENDED_CLASSES: dict[type, type] = {}
 
