@@ -14,42 +14,56 @@ Layers, bottom up (``tests/test_architecture.py`` keeps the arrows pointing down
 ``gathered`` (siblings) -> ``pack`` -> ``reducer`` -> ``runtime`` -> ``testing``; ``hyper_parallel`` and
 ``gradpool.app`` (model, training job, YAML config, CLI, msrun launcher) sit on top.
 
-Names resolve on first use, so ``import gradpool.layout`` stays free of MindSpore.
+The imports below, under ``TYPE_CHECKING``, are the façade: every name it exports and where it
+lives, for readers and static tools. At run time each name is imported on first use (PEP 562), so
+``import gradpool.layout`` stays free of MindSpore; the table of where to find it is read from
+those same import statements.
 """
+import ast
 import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "gradpool.pool": ("BucketPool", "Lease", "PoolStats", "Fence", "fence_done", "as_fence"),
-    "gradpool.layout": ("ReduceScatterLayout", "GradSlot"),
-    "gradpool.gathered": ("GatheredParam", "GatheredStats"),
-    "gradpool.pack": ("chunk_rows", "local_shard", "unshard", "shard_views", "flat_view",
-                      "unpack_gathered", "Written"),
-    "gradpool.reducer": ("GradReducer", "ReducerConfig", "ReduceResult", "PackedBucket"),
-    "gradpool.runtime": ("GradPoolConfig", "Runtime", "build_runtime", "runtime_for",
-                         "all_runtimes", "reset_runtimes", "install_runtime"),
-    "gradpool.comm": ("Communicator", "CommHandle", "CompletedHandle",
-                      "SingleProcessCommunicator", "CpuMcclCommunicator",
-                      "AscendHcclCommunicator", "communicator_for", "init_distributed",
-                      "launched_by_msrun", "check_reduce_op", "REDUCE_OPS"),
-    "gradpool.dtypes": ("SUPPORTED_DTYPES", "DTYPE_NAMES", "check_dtype", "dtype_named",
-                        "itemsize", "overwrite", "writable_view", "nan_fill"),
-    "gradpool.device": ("SUPPORTED_DEVICES", "device_target", "synchronize"),
-    "gradpool.errors": ("GradPoolError", "InvalidArgumentError", "UnsupportedDtypeError",
-                        "LayoutMismatchError", "LeaseStateError", "ForeignLeaseError", "InvalidFenceError",
-                        "PoolCapacityError", "CommError", "LaunchError", "ConfigError",
-                        "ConfigValueError", "UnknownConfigKeyError", "OverrideSyntaxError",
-                        "GradientIntegrityError", "NonFiniteNormError", "CheckpointError",
-                        "StateMismatchError", "ArgumentTypeError",
-                        "check_bool", "check_int", "check_positive_number"),
-}
-# Names that would shadow the submodule they live in (``gradpool.pack``) go out under another.
-_RENAMED = {"pack_bucket": ("gradpool.pack", "pack"),
-            "accumulate_bucket": ("gradpool.pack", "accumulate")}
-_SOURCE = {**{name: (module, name) for module, names in _EXPORTS.items() for name in names},
-           **_RENAMED}
+if TYPE_CHECKING:
+    from gradpool.comm import (REDUCE_OPS, AscendHcclCommunicator, CommHandle, Communicator,
+                               CompletedHandle, CpuMcclCommunicator, SingleProcessCommunicator,
+                               check_reduce_op, communicator_for, init_distributed,
+                               launched_by_msrun)
+    from gradpool.device import SUPPORTED_DEVICES, device_target, synchronize
+    from gradpool.dtypes import (DTYPE_NAMES, SUPPORTED_DTYPES, check_dtype, dtype_named,
+                                 itemsize, nan_fill, overwrite, writable_view)
+    from gradpool.errors import (ArgumentTypeError, CheckpointError, CommError, ConfigError,
+                                 ConfigValueError, ForeignLeaseError, GradientIntegrityError,
+                                 GradPoolError, InvalidArgumentError, InvalidFenceError,
+                                 LaunchError, LayoutMismatchError, LeaseStateError,
+                                 NonFiniteNormError, OverrideSyntaxError, PoolCapacityError,
+                                 StateMismatchError, UnknownConfigKeyError,
+                                 UnsupportedDtypeError, check_bool, check_int,
+                                 check_positive_number)
+    from gradpool.gathered import GatheredParam, GatheredStats
+    from gradpool.layout import GradSlot, ReduceScatterLayout
+    from gradpool.pack import Written, chunk_rows, flat_view, local_shard, shard_views
+    from gradpool.pack import accumulate as accumulate_bucket
+    from gradpool.pack import pack as pack_bucket
+    from gradpool.pack import unpack_gathered, unshard
+    from gradpool.pool import BucketPool, Fence, Lease, PoolStats, as_fence, fence_done
+    from gradpool.reducer import GradReducer, PackedBucket, ReducerConfig, ReduceResult
+    from gradpool.runtime import (GradPoolConfig, Runtime, all_runtimes, build_runtime,
+                                  install_runtime, reset_runtimes, runtime_for)
 
+
+def _facade() -> dict[str, tuple[str, str]]:
+    """``{exported name: (module, name there)}`` from the ``TYPE_CHECKING`` imports above."""
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    block = next(node for node in tree.body if isinstance(node, ast.If)
+                 and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
+    return {alias.asname or alias.name: (node.module, alias.name)
+            for node in block.body if isinstance(node, ast.ImportFrom) for alias in node.names}
+
+
+_SOURCE = _facade()
 __all__ = [*_SOURCE, "__version__"]
 
 
