@@ -237,8 +237,8 @@ def _host_copy(output: ms.Tensor, input: ms.Tensor) -> bool:
     return; False, having done nothing, unless both are contiguous CPU tensors of one dtype.
 
     On CPU a slice-assignment into a lease's prefix view plus the ``synchronize`` it needs cost
-    ~25 us, more than a whole small pack (and MindSpore's copy kernel runs at about half of
-    memcpy bandwidth); a device's tensors take ``overwrite``."""
+    more than a whole small pack, and MindSpore's copy kernel runs well below memcpy bandwidth
+    (docs/benchmarks/host-path.md#host-copy-of-a-result); a device's tensors take ``overwrite``."""
     if output.device != "CPU" or input.device != "CPU":
         return False
     # Queued ops writing either tensor run first (and have placed their outputs in memory).

@@ -31,10 +31,11 @@ def _host_memory_bytes() -> int:
 def device_target() -> str:
     """The context's device target ("CPU", "Ascend"), read afresh on every call.
 
-    Not cached: ``set_context(device_target=...)`` may still change it. ``get_context`` spends
-    ~10 us validating every target-specific option before it reads the one value, and
-    ``synchronize`` asks once per collective and per timed pack, so the value is read straight
-    from the context object (~0.7 us) where MindSpore has it, else through ``get_context``."""
+    Not cached: ``set_context(device_target=...)`` may still change it. ``get_context``
+    validates every target-specific option before it reads the one value, and ``synchronize``
+    asks once per collective and per timed pack, so the value is read straight from the context
+    object where MindSpore has it, else through ``get_context``
+    (docs/benchmarks/host-path.md#reading-the-device-target)."""
     reader = _target_reader()
     if reader is not None:
         return reader()
@@ -77,10 +78,9 @@ def drain_launch_queue() -> None:
 def _pipeline_wait():
     # MindSpore's wait for its four PyNative stages (frontend, bprop, backend, launch; each
     # rethrows an op's failure): the waits the executor's sync makes on CPU, where there is no
-    # stream to synchronize, without the rest of the executor around them. Inside a pack,
-    # after the copy of the last one evicted the core's caches, the sync cost 3-10 us more than
-    # this wait (1 MiB float32, 600 interleaved rounds, three runs on the 2-core Intel machine:
-    # 93-104 against 90-94 us a pack). Imported once: an import statement costs ~0.7 us a call.
+    # stream to synchronize, without the rest of the executor around them, which costs more
+    # inside a pack, where the last copy evicted the core's caches. Imported once: an import
+    # statement is not free on every call (docs/benchmarks/host-path.md#draining-the-launch-queue).
     try:
         from mindspore._c_expression import _wait_pipeline
         return _wait_pipeline
@@ -106,8 +106,8 @@ def launches_blocking() -> bool:
 
 def block_launches() -> None:
     """Run every op of this process synchronously from now on (process-wide; MindSpore has no way
-    back). On CPU ranks sharing a machine's cores this makes a small model's step an order of
-    magnitude faster: PyNative's queue threads of every rank otherwise compete for the same cores
-    (measured in the README's "Op launch" section)."""
+    back). On CPU ranks sharing a machine's cores this makes a small model's step much faster:
+    PyNative's queue threads of every rank otherwise compete for the same cores (measured in the
+    README's "Op launch on CPU" section)."""
     import mindspore as ms
     ms.runtime.launch_blocking()

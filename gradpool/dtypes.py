@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 SUPPORTED_DTYPES = tuple(getattr(ms, name) for name in DTYPE_NAMES)
 _ITEMSIZE = {ms.float32: 4, ms.float16: 2, ms.bfloat16: 2}
-# Hashing a MindSpore dtype is a pybind call (~0.3 us): the hot path looks sizes up by the id()
-# of the singleton that _known returns.
+# Hashing a MindSpore dtype is a pybind call: the hot path looks sizes up by the id() of the
+# singleton that _known returns (docs/benchmarks/host-path.md#dtype-lookups).
 _SIZE_OF = {id(dtype): size for dtype, size in _ITEMSIZE.items()}
 # The dtypes NumPy can write in place (bfloat16 through ml_dtypes, see host_view).
 HOST_DTYPES = (ms.float32, ms.float16, ms.bfloat16)
@@ -45,9 +45,9 @@ _NAN_FILL = {ms.float32: float("nan"), ms.float16: float("nan"), ms.bfloat16: 0x
 def _known(dtype):
     """``dtype`` as the supported dtype object it is (None if it is none of them).
 
-    MindSpore's dtypes are singletons and ``==`` between two of them costs ~0.4 us (a pybind
-    call), so identity is tried first; ``==`` stays the rule for anything equal but not
-    identical. The pack path asks this several times per call."""
+    MindSpore's dtypes are singletons and ``==`` between two of them is a pybind call
+    (docs/benchmarks/host-path.md#dtype-lookups), so identity is tried first; ``==`` stays the
+    rule for anything equal but not identical. The pack path asks this several times per call."""
     for known in SUPPORTED_DTYPES:
         if dtype is known:
             return known
@@ -126,16 +126,17 @@ def host_view(tensor: ms.Tensor) -> np.ndarray:
     queued ops that write the tensor, so NumPy reads and writes are ordered after them."""
     dtype = _known(tensor.dtype)
     if dtype is not None and is_whole_storage(tensor):
-        # asnumpy() costs ~4 us, most of it NumPy parsing the buffer's format string in Python
-        # (a pack makes two); its wait is kept by draining the launch queue (every op launched so
-        # far has run).
+        # Not asnumpy(), most of whose cost is NumPy parsing the buffer's format string in
+        # Python (a pack makes two; docs/benchmarks/host-path.md#host-views); its wait is kept
+        # by draining the launch queue (every op launched so far has run).
         _pynative_executor.sync()
         array = host_alias(tensor)
         if array is not None:
             return array.reshape(tensor.shape)
     array = tensor.asnumpy()
     if dtype is ms.bfloat16:
-        # MindSpore's own NumPy bfloat16 casts ~6x slower than ml_dtypes': same bits, other type.
+        # MindSpore's own NumPy bfloat16 casts far slower than ml_dtypes': same bits, other type
+        # (docs/benchmarks/host-path.md#host-views).
         return array.view(np.uint16).view(ml_dtypes.bfloat16)
     return array
 
@@ -208,9 +209,9 @@ def host_alias(tensor: ms.Tensor, keep_alive: bool = True) -> Optional[np.ndarra
     does; with ``keep_alive=False`` it does not, and is valid only while the tensor's storage is
     (for the pool's bucket record, which holds the tensor itself, or a caller that holds it).
 
-    Built with ``np.frombuffer`` over a ctypes array at the data pointer: ~1 us, where an
-    ``__array_interface__`` object costs ~2.5 us and ``asnumpy()`` ~4.7 us (a small pack's fixed
-    cost is a few of these)."""
+    Built with ``np.frombuffer`` over a ctypes array at the data pointer, the cheapest of the
+    ways measured (an ``__array_interface__`` object and ``asnumpy()`` cost more, and a small
+    pack's fixed cost is a few of these: docs/benchmarks/host-path.md#host-views)."""
     dtype = tensor.dtype
     size = _SIZE_OF.get(id(dtype))
     if size is None:                   # not a supported singleton itself: one equal to it?
@@ -240,12 +241,12 @@ def compiled_cast(dst: np.ndarray, src: np.ndarray) -> bool:
     written nothing, for any other pair or layout (both must be contiguous), or when numba
     cannot be imported.
 
-    ml_dtypes casts float32 -> bfloat16 one element at a time (~1.9 G elements/s even in cache:
-    0.1-0.25 of a memcpy of the bytes written); the compiled integer loop
-    (:func:`gradpool.kernels.bfloat16_kernel`) is vectorized and bound by memory traffic, so from
-    ``kernels.STREAM_FROM_BYTES`` written on it streams its stores past the cache (0.62-0.76 of
-    that memcpy at 16-256 MiB on the 2-core AMD CPU machine). numba is a dependency; where it
-    cannot be imported (a platform without its wheels) the ml_dtypes cast is used."""
+    ml_dtypes casts float32 -> bfloat16 one element at a time, far below memcpy speed even in
+    cache; the compiled integer loop (:func:`gradpool.kernels.bfloat16_kernel`) is vectorized and
+    bound by memory traffic, so from ``kernels.STREAM_FROM_BYTES`` written on it streams its
+    stores past the cache (docs/benchmarks/host-path.md#compiled-bfloat16-cast). numba is a
+    dependency; where it cannot be imported (a platform without its wheels) the ml_dtypes cast is
+    used."""
     if src.dtype != _F32 or dst.dtype != _BF16 or src.shape != dst.shape \
             or not (src.flags.c_contiguous and dst.flags.c_contiguous):
         return False

@@ -23,28 +23,28 @@ _NO_NUMBA = ("numba cannot be imported (%s): host casts fall back to NumPy and m
 # From this many bytes written on, the compiled float32 -> bfloat16 cast stores with non-temporal
 # (streaming) stores: a store that misses the cache otherwise reads its line first
 # (read-for-ownership), so an ordinary cast moves 4 + 2 + 2 bytes per element where a streaming
-# one moves 4 + 2. Streaming won at every size measured on the 2-core Intel machine (4 MiB in:
-# 0.68 of a memcpy of the bytes written against 0.60; 64 MiB: 0.60 against 0.43).
+# one moves 4 + 2. The cast is bound by memory traffic, and streaming won at every size measured
+# (docs/benchmarks/host-path.md#cast-streaming-threshold).
 STREAM_FROM_BYTES = 8 << 20
 # From this many bytes on, the compiled same-dtype copy streams its stores. Below it the copy is
 # glibc's memmove, whose `rep movsb` keeps the bucket in the caches the collective reads it from
-# next, and is as fast as streaming while source and bucket fit the last-level cache: on the
-# Intel machine the two met at 16-20 MiB (memmove 1.00 of NumPy's memcpy at 16 MiB, streaming
-# 0.96; at 24 MiB 1.04 against 1.48). glibc streams only from its non_temporal_threshold (190 MiB
-# on the Intel machine, 192 MiB on the AMD one, where streaming already won at 16 MiB: 1.8-1.9
-# against 3.1-3.3 ms).
+# next, and is as fast as streaming while source and bucket fit the last-level cache; glibc
+# streams only from a much larger threshold of its own, too late for buckets that leave the cache
+# (docs/benchmarks/host-path.md#copy-streaming-threshold).
 COPY_STREAM_FROM_BYTES = 24 << 20
 _STREAM_LANES = 16          # elements per vector store: 32 bytes, one AVX2 register
 _PAGE_BYTES = 4096
-_STREAM_PAGES = 4           # pages a streaming copy walks at once (8 streams were 3-4x slower)
+# Pages a streaming copy walks at once, a read and a write stream each: more write streams than
+# the core's write-combining buffers hold slow it (docs/benchmarks/host-path.md#streams-per-copy).
+_STREAM_PAGES = 4
 _STREAM_BLOCK = _STREAM_PAGES * _PAGE_BYTES
 
 
 @functools.lru_cache(maxsize=1)
 def compile_host_loops() -> bool:
-    """Import numba and compile every loop here now (~3 s once per process on the 2-core CPU
-    machine: 1.1 s numba's import, 1.6 s the compiles); False without numba. A CPU pool calls it
-    when it is made, so the first pack does not compile inside a training step, where a Ctrl-C
+    """Import numba and compile every loop here now (once per process: numba's import and the
+    compiles, docs/benchmarks/host-path.md#compile-time); False without numba. A CPU pool calls
+    it when it is made, so the first pack does not compile inside a training step, where a Ctrl-C
     would land in numba's import or compiler and leave a module half-imported for the rest of
     the process (a random-interrupt test hit exactly that)."""
     writers = _address_writers()
@@ -62,7 +62,8 @@ def compile_host_loops() -> bool:
 @functools.lru_cache(maxsize=1)
 def _bfloat16_kernel():  # pragma: no mutate block
     """The compiled float32-bits -> bfloat16-bits loop ``kernel(words, out, stream_from_bytes)``
-    (None if numba cannot be imported); compiled once per process on first use (~1 s)."""
+    (None if numba cannot be imported); compiled once per process on first use
+    (docs/benchmarks/host-path.md#compile-time)."""
     try:
         import numba
         from llvmlite import ir
@@ -125,8 +126,8 @@ def _bfloat16_kernel():  # pragma: no mutate block
         head = min(count, ((32 - (address & 31)) & 31) // 2)   # up to the first 32-byte line
         for i in range(head):
             out[i] = round_one(words[i])
-        # Two halves in one loop: two read streams keep more loads in flight than one (a read
-        # of 512 MiB took 43-56 ms as two interleaved streams against 54-66 ms as one, here).
+        # Two halves in one loop: two read streams keep more loads in flight than one
+        # (docs/benchmarks/host-path.md#cast-read-streams).
         vectors = (count - head) // lanes
         half = vectors // 2
         first, second = head, head + half * lanes
@@ -188,14 +189,14 @@ def address_writer(src_dtype: str, dst_dtype: str) -> Optional[Callable[[int, in
     :data:`COPY_STREAM_FROM_BYTES` written, the narrowing from :data:`STREAM_FROM_BYTES`, as read
     when the writer is called.
 
-    Why addresses: a single-gradient pack of 4 KiB costs a few microseconds of Python around a
-    sub-microsecond copy, and building the two NumPy arrays over the memory was the largest part
-    of it (~1-4 us each); a compiled call with integer arguments dispatches in ~0.3 us. Why a
-    compiled copy and not memcpy: glibc's memcpy streams only from 190-192 MiB on the 2-core
-    machines, so up to there a copy larger than the cache reads each destination line before
-    overwriting it (NumPy's memcpy against this copy, on the Intel machine: 32 MiB 4.4 against
-    2.4 ms, 64 MiB 9.4 against 5.0 ms; on the AMD machine 64 MiB 14.6-16.1 against 9.4-9.6
-    ms), and from there on it walks four pages at once as this copy does."""
+    Why addresses: a small single-gradient pack is mostly the Python around its copy, and
+    building the two NumPy arrays over the memory was the largest part of it; a compiled call
+    with integer arguments dispatches in a fraction of that
+    (docs/benchmarks/host-path.md#address-call-dispatch). Why a compiled copy and not memcpy:
+    glibc's memcpy streams its stores only from its own threshold, far above the cache sizes, so
+    up to there a copy larger than the cache reads each destination line before overwriting it,
+    and from there on it walks four pages at once as this copy does
+    (docs/benchmarks/host-path.md#compiled-copy-vs-memcpy)."""
     writers = _address_writers()
     return None if writers is None else writers.get((src_dtype, dst_dtype))
 
@@ -251,17 +252,15 @@ def _address_writers():  # pragma: no mutate block
             return
         # The head, copied plainly, brings the source to a page boundary and then the bucket to
         # a cache line. Lines: the blocks below fill whole lines one at a time, and a line they
-        # filled in two halves far apart in time would be flushed half-written (16 MiB took
-        # 1.89 ms so, 1.26 ms with one stream). Pages: each read stream then keeps to one page
-        # but for its last line, where the hardware prefetcher follows it (256 MiB from
-        # 2,048-2,944 bytes into a page: 23.5-24.2 ms with the blocks on the bucket's lines
-        # alone, 21.9 ms so, memcpy 21.9 ms).
+        # filled in two halves far apart in time would be flushed half-written. Pages: each read
+        # stream then keeps to one page but for its last line, where the hardware prefetcher
+        # follows it (docs/benchmarks/host-path.md#copy-head-alignment).
         head = (_PAGE_BYTES - (src & (_PAGE_BYTES - 1))) & (_PAGE_BYTES - 1)
         head = min(nbytes, head + ((64 - ((dst + head) & 63)) & 63))
         move_bytes(dst, src, head)
         # Blocks of _STREAM_PAGES pages, one 64-byte line of each page in turn: that many read
-        # and write streams in flight, each within one page (one stream: 256 MiB in 27.4 ms on
-        # the 2-core Intel machine, glibc's memcpy 24.0 ms, this 22.3 ms; measured in C).
+        # and write streams in flight, each within one page, as glibc's own large copy walks
+        # them; one stream alone is slower (docs/benchmarks/host-path.md#streams-per-copy).
         at = head
         while at + _STREAM_BLOCK <= nbytes:
             for line in range(at, at + _PAGE_BYTES, 64):

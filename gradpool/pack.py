@@ -10,14 +10,15 @@ MindSpore 2.10's CPU backend silently ignores ``copy_`` into a view at a non-zer
 
 * the bucket content is assembled out-of-place with one ``mint.cat`` (gradients, uneven-shard
   zero rows and alignment gaps in row order) and written once with
-  :func:`gradpool.dtypes.overwrite`; ``mint.cat`` costs ~0.2 us per input, where a
-  slice-assignment per gradient costs ~45 us;
+  :func:`gradpool.dtypes.overwrite`; ``mint.cat`` costs far less per input than a
+  slice-assignment per gradient (docs/benchmarks/host-path.md#device-path-assembly);
 * a single gradient whose layout is the identity is written straight from the gradient (one
   pass: the large-gradient bandwidth path);
 * accumulation is an out-of-place add written back the same way.
 
 On the CPU backend a tensor's ``asnumpy()`` is its own host memory, MindSpore's CPU copy kernel
-runs at about half of memcpy bandwidth and its casts are slower still. So with ``host=True`` on a
+runs well below memcpy bandwidth and its casts are slower still
+(docs/benchmarks/host-path.md#cpu-copy-kernel-bandwidth). So with ``host=True`` on a
 CPU pool the **host path** writes with NumPy in place in the lease's allocation, for every
 supported dtype pair and shard dim: bfloat16 memory is viewed as ``ml_dtypes.bfloat16``
 (:func:`gradpool.dtypes.host_view`), a cast is done by NumPy / ml-dtypes while writing (one write
@@ -102,7 +103,7 @@ def flat_view(tensor: ms.Tensor) -> ms.Tensor:
     A CPU tensor that spans its storage is aliased through its host memory (``from_numpy`` of
     its ``asnumpy()``), not with a view op: PyNative queues a view op on its launch thread, and
     whatever then reads the view (a collective checking its shape) waits for that thread, which
-    cost 0.1-2 ms per call on the 2-core CPU machine, all of a zero-copy borrow's cost (issue 12).
+    was all of a zero-copy borrow's cost (issue 12; docs/benchmarks/host-path.md#flat-views-on-cpu).
     Elsewhere (Ascend) it is a view op."""
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
@@ -312,13 +313,14 @@ def _pack_one_at_addresses(lease: Lease, grad: ms.Tensor,
     writes it or raises the precise error.
 
     The first thing :func:`pack` tries: this is the gradient-by-gradient reduce's every pack and
-    the large gradient's bandwidth path. At 1 MiB the copy evicts the core's L2 and the Python
-    around it runs cold, so it makes only the checks that make the write safe, the gradient's
-    memory as :func:`gradpool.dtypes.host_address` finds it (materialized, CPU, contiguous)."""
+    the large gradient's bandwidth path. A copy as large as the core's L2 evicts it and the
+    Python around it runs cold (docs/benchmarks/host-path.md#single-gradient-pack), so it makes
+    only the checks that make the write safe, the gradient's memory as
+    :func:`gradpool.dtypes.host_address` finds it (materialized, CPU, contiguous)."""
     shape = layout.identity_shape           # None unless the bucket is the flat gradient
     try:
-        # What Tensor's shape and dtype properties return, read without their Python frames
-        # (each ~0.3 us with the caches the last copy evicted).
+        # What Tensor's shape and dtype properties return, read without their Python frames,
+        # which run cold after the last copy (docs/benchmarks/host-path.md#single-gradient-pack).
         grad_shape, grad_dtype = grad._shape, grad._dtype
     except AttributeError:        # not a MindSpore tensor: the general path names it
         return None
@@ -403,7 +405,8 @@ def _write_flat(bucket: np.ndarray, src: np.ndarray, add: bool) -> bool:
 
 
 # Casts that raise no floating-point flag for any input (ml_dtypes widens bfloat16 with integer
-# operations), so they need no np.errstate (~2 us, a tenth of a small pack). Narrowing casts
+# operations), so they need no np.errstate, a noticeable part of a small pack
+# (docs/benchmarks/host-path.md#floating-point-error-state). Narrowing casts
 # flag: float32 -> bfloat16 a signalling NaN (invalid), float32 -> float16 overflow.
 # tests/test_pack_casts.py packs every pattern of each pair with warnings as errors.
 _QUIET_CASTS = frozenset({(np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))})

@@ -436,8 +436,9 @@ class BucketPool:
         """The capacity of a bucket for ``numel`` x ``dtype`` after :meth:`_check_request`, for a
         request ``acquire`` has not remembered; remembered for an int ``numel`` of a supported
         dtype singleton (the reducer makes the same few requests every step, and the checks are
-        a fifth of an acquire's cost). Only singletons, which live as long as the process, are
-        remembered, so a later request whose dtype has the same id() is that dtype."""
+        a sizeable part of an acquire's cost: docs/benchmarks/host-path.md#remembered-requests).
+        Only singletons, which live as long as the process, are remembered, so a later request
+        whose dtype has the same id() is that dtype."""
         self._check_request(numel, dtype)
         capacity = self._capacity_for(numel, dtype)
         if type(numel) is int and is_supported_singleton(dtype):
