@@ -1,13 +1,15 @@
 """A complete fully_shard run: a small MLP sharded over every rank, gradients reduced on pool
 memory into each shard's float32 ``main_grad``, the optimizer fed from ``main_grad``.
 
-    python examples/fully_shard_mlp.py                        # one process
+    python examples/fully_shard_mlp.py [CHECKPOINT_DIR]       # one process
     msrun --worker_num=2 --local_worker_num=2 --master_port=8123 --log_dir=msrun-logs \\
           --join=True python examples/fully_shard_mlp.py      # 2 ranks (CPU: MCCL)
 
 Each rank trains on its own slice of a fixed global batch and prints the loss of its slice;
 gradients are averaged over ranks, so every run takes the optimizer steps one process would take
-on the whole batch. Exits non-zero if the loss does not fall.
+on the whole batch. Exits non-zero if the loss does not fall. With ``CHECKPOINT_DIR`` the trained
+model and optimizer are saved there (every rank its shards), loaded into a freshly built model,
+and the two full state dicts compared.
 """
 import sys
 
@@ -16,7 +18,7 @@ import numpy as np
 from mindspore import Parameter, mint, nn
 
 from gradpool import GradPoolConfig, init_distributed
-from hyper_parallel import clip_grad_norm_, fully_shard
+from hyper_parallel import checkpoint, clip_grad_norm_, fully_shard, get_model_state_dict
 from hyper_parallel.core.fully_shard.api import MixedPrecisionPolicy
 
 STEPS, GLOBAL_BATCH, WIDTH = 6, 8, 16
@@ -46,16 +48,35 @@ class MLP(nn.Cell):
         return self.layers[-1](x)
 
 
-def main() -> int:
-    ms.set_device("CPU")
-    rank, world = init_distributed()              # (0, 1) outside msrun
-    mp = MixedPrecisionPolicy(reduce_dtype=ms.float32, apply_grad_on_fp32_main_grad=True)
-    pool = GradPoolConfig(poison_on_release=True)   # recycled buckets read NaN: a stale read shows
+MP = MixedPrecisionPolicy(reduce_dtype=ms.float32, apply_grad_on_fp32_main_grad=True)
+POOL = GradPoolConfig(poison_on_release=True)   # recycled buckets read NaN: a stale read shows
+
+
+def sharded_mlp() -> MLP:
     model = MLP()
     last_bias = model.layers[-1].bias        # kept whole on every rank, all-reduced
     for layer in model.layers:
-        fully_shard(layer, mp_policy=mp, pool_config=pool, replicate_params={last_bias})
-    fully_shard(model, mp_policy=mp, pool_config=pool)
+        fully_shard(layer, mp_policy=MP, pool_config=POOL, replicate_params={last_bias})
+    return fully_shard(model, mp_policy=MP, pool_config=POOL)
+
+
+def save_and_reload(model, optimizer, path: str, rank: int) -> bool:
+    """Save, load into a new model and optimizer, and compare the full state dicts."""
+    saved = checkpoint.save(path, model, optimizer, step=STEPS)
+    fresh = sharded_mlp()
+    info = checkpoint.load(path, fresh, nn.SGD(fresh.trainable_params(), learning_rate=0.1))
+    before = get_model_state_dict(model, full_state_dict=True)
+    after = get_model_state_dict(fresh, full_state_dict=True)
+    same = all(np.array_equal(before[k].asnumpy(), after[k].asnumpy()) for k in before)
+    print(f"rank {rank} checkpoint: wrote {saved.bytes_written} bytes, read "
+          f"{info['bytes_read']}, step {info['step']}, identical {same}", flush=True)
+    return same
+
+
+def main() -> int:
+    ms.set_device("CPU")
+    rank, world = init_distributed()              # (0, 1) outside msrun
+    model = sharded_mlp()
 
     data = np.random.default_rng(1).standard_normal((GLOBAL_BATCH, WIDTH)).astype(np.float32)
     target = np.sin(data.sum(axis=1, keepdims=True)).astype(np.float32)
@@ -80,6 +101,8 @@ def main() -> int:
     if not losses[-1] < losses[0]:
         print(f"rank {rank}: loss did not fall ({losses[0]:.6f} -> {losses[-1]:.6f})",
               file=sys.stderr)
+        return 1
+    if len(sys.argv) > 1 and not save_and_reload(model, optimizer, sys.argv[1], rank):
         return 1
     return 0
 

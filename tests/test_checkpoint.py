@@ -160,7 +160,7 @@ def test_a_mismatched_state_is_refused_by_key_and_shapes_with_the_model_unchange
     with pytest.raises(StateMismatchError, match="float16"):
         set_model_state_dict(model, {**state, "head": state["head"].astype(ms.float16)})
     _assert_same(_values(narrow), before)
-    with pytest.raises(StateMismatchError, match="has no 'optimizer/global_step'"):
+    with pytest.raises(StateMismatchError, match="has no 'optimizer/moment1.embed'"):
         checkpoint.load(tmp_path / "ck", model, optimizer_for(CFG, model.trainable_params()))
 
 

@@ -20,21 +20,23 @@ def _losses(text: str, rank: int) -> list[float]:
     return _field(text, rank, "loss")
 
 
-def _one_process_run() -> str:
-    out = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True,
+def _one_process_run(*args: str) -> str:
+    out = subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True,
                          timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
 
-def test_example_in_one_process():
-    losses = _losses(_one_process_run(), 0)
+def test_example_in_one_process(tmp_path):
+    out = _one_process_run(str(tmp_path / "ck"))
+    losses = _losses(out, 0)
     assert len(losses) == 6 and losses[-1] < losses[0]
+    assert "rank 0 checkpoint:" in out and "step 6, identical True" in out, out[-2000:]
 
 
 @pytest.mark.distributed
 def test_example_on_two_msrun_ranks(tmp_path):
-    result = run_ranks(EXAMPLE, nproc=2, log_dir=tmp_path, timeout=300)
+    result = run_ranks(EXAMPLE, [str(tmp_path / "ck")], nproc=2, log_dir=tmp_path, timeout=300)
     assert result.exit_codes == (0, 0)
     # clip_grad_norm_ on 2 ranks (uneven shards, a replicated bias) gives the norm of the
     # unsharded model's gradient: the one-process run's, step by step (clipping included)
@@ -44,6 +46,7 @@ def test_example_on_two_msrun_ranks(tmp_path):
         losses = _losses(log, rank)
         assert len(losses) == 6 and losses[-1] < losses[0], log[-2000:]
         assert f"rank {rank}/2 step 6/6" in log
+        assert f"rank {rank} checkpoint:" in log and "step 6, identical True" in log, log[-2000:]
         norms = _field(log, rank, "grad_norm")
         assert len(norms) == 6 and norms[0] > 1.0, "the first step is clipped"
         for got, want in zip(norms, reference):

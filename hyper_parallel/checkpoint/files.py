@@ -235,5 +235,9 @@ class PieceReader:
         except SafetensorError as exc:
             raise CheckpointError(f"checkpoint file {self.root / piece.file}: {key} cannot be "
                                   f"read: {exc}") from exc
+        values = np.asarray(values).reshape(part.lengths)
+        if values.dtype.name == "bfloat16" and values.dtype != ml_dtypes.bfloat16:
+            # safetensors names the dtype: another registered bfloat16 (MindSpore's) may answer
+            values = values.view(np.uint16).view(ml_dtypes.bfloat16)
         self.bytes_read += values.nbytes
-        return np.asarray(values).reshape(part.lengths)
+        return values

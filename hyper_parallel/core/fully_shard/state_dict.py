@@ -13,6 +13,11 @@ names, identical on every rank. ``full_state_dict=False`` gives each rank its un
 :class:`ShardedTensor` (what a distributed checkpoint writes) and its whole tensors as they are.
 ``set_*`` takes either form: each rank takes the part its own layout needs; a sharded dict made
 at another world size or mesh lacks parts and is refused (load a checkpoint to reshard).
+
+Keys are parameter paths in the model (``parameters_and_names()``): the unsharded model's
+``parameters_dict()`` names, unless MindSpore renamed a parameter after it was built (slicing a
+``CellList`` inside ``construct`` does). Per-parameter optimizer states are keyed
+``<state attribute>.<parameter path>`` (``moment1.layers.0.attn.q``).
 """
 from __future__ import annotations
 
@@ -124,28 +129,51 @@ def _entry_for(name: str, tensor, managed, rank: int) -> StateEntry:
                       managed=managed)
 
 
+def _param_names(model) -> dict[int, str]:
+    """``{id(parameter): its path in model}``: keys that stay put when MindSpore renames a
+    parameter (slicing a ``CellList`` inside ``construct`` re-prefixes its cells' names)."""
+    return {id(param): name for name, param in model.parameters_and_names()}
+
+
 def model_entries(model) -> list[StateEntry]:
-    """Every parameter of ``model`` (in ``parameters_dict()`` order: the same on every rank)."""
+    """Every parameter of ``model`` under its path (the same order on every rank)."""
     rank = _world_rank()
     return [_entry_for(name, param, getattr(param, "hsdp_param", None), rank)
-            for name, param in model.parameters_dict().items()]
+            for name, param in model.parameters_and_names()]
+
+
+def _per_parameter_states(optimizer) -> list[tuple[str, tuple]]:
+    """``(attribute, states)`` of each tuple of per-parameter states (``moment1``, ``accum``, ...):
+    MindSpore 2.10's optimizers keep one ParameterTuple per state, entry ``i`` for parameter
+    ``i`` of ``optimizer.parameters``."""
+    params = tuple(optimizer.parameters)
+    found = []
+    for attr, value in vars(optimizer).items():
+        if attr in ("parameters", "_parameters") or not isinstance(value, ms.ParameterTuple):
+            continue
+        if len(value) == len(params) and all(tuple(s.shape) == tuple(p.shape)
+                                             for s, p in zip(value, params)):
+            found.append((attr, tuple(value)))
+    return found
 
 
 def optimizer_entries(model, optimizer) -> list[StateEntry]:
-    """Every state of ``optimizer`` that is not one of ``model``'s parameters."""
+    """Every state of ``optimizer``: per-parameter states as ``<state>.<parameter path>``,
+    sharded like their parameter; the rest (``global_step``, powers, learning rate) whole,
+    under their own names."""
     rank = _world_rank()
-    params = {id(p) for p in model.parameters_dict().values()}
-    managed = {p.name: p.hsdp_param for p in model.parameters_dict().values()
-               if getattr(p, "hsdp_param", None) is not None}
-    entries = []
-    for name, state in optimizer.parameters_dict().items():
-        if id(state) in params:
-            continue
-        owner = None
-        prefix, _, rest = name.partition(".")
-        if rest in managed and prefix and tuple(state.shape) == managed[rest].local_shape:
-            owner = managed[rest]
-        entries.append(_entry_for(name, state, owner, rank))
+    paths = _param_names(model)
+    params = tuple(optimizer.parameters)
+    entries, covered = [], {id(p) for p in params}
+    for attr, states in _per_parameter_states(optimizer):
+        for param, state in zip(params, states):
+            covered.add(id(state))
+            path = paths.get(id(param), param.name)
+            entries.append(_entry_for(f"{attr}.{path}", state, getattr(param, "hsdp_param", None),
+                                      rank))
+    for name, state in optimizer.parameters_and_names():
+        if id(state) not in covered and id(state) not in paths:
+            entries.append(_entry_for(name, state, None, rank))
     return entries
 
 
