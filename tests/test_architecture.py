@@ -5,6 +5,7 @@ runtime and testing. hyper_parallel sits on top and imports gradpool only throug
 the CLI and the benchmarks runner sit on top of both.
 """
 import ast
+import re
 import pathlib
 
 import pytest
@@ -97,3 +98,33 @@ def test_hyper_parallel_imports_gradpool_only_through_its_root(path):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 assert not alias.name.startswith("gradpool."), f"{path.name}: import {alias.name}"
+
+
+_MACHINE_FIGURE = re.compile(
+    r"\b\d+(?:[.,]\d+)?(?:\s?-\s?\d+(?:[.,]\d+)?)?\s?(?:ns|us|µs|ms)\b"
+    r"|\b[GMK]B/s\b|\b\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?x (?:faster|slower)\b"
+    r"|\b0\.\d+(?:-\d?\.\d+)? of (?:a|the|that|NumPy's) memcpy"
+    r"|\b(?:Intel|AMD|EPYC|Xeon)\b|\b\d+-core\b")
+
+
+def _comments_and_docstrings(path: pathlib.Path):
+    import io
+    import tokenize
+    source = path.read_text()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            yield token.start[0], token.string
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                yield getattr(node, "lineno", 1), doc
+
+
+@pytest.mark.parametrize("path", core_files(), ids=lambda p: p.stem)
+def test_core_comments_hold_no_machine_figures(path):
+    """Timings of a particular machine go stale in a comment: they live in docs/benchmarks/
+    (host-path.md), and the comment says why in words."""
+    hits = [(line, m.group(0)) for line, text in _comments_and_docstrings(path)
+            for m in _MACHINE_FIGURE.finditer(text)]
+    assert not hits, f"{path.name}: machine figures in comments at {hits}"
