@@ -212,35 +212,34 @@ def _barrier(ctx: Context) -> None:
 
 
 # -- phase 2: 4 ranks ---------------------------------------------------------------------------
-def _load_dump_save(ctx, mesh, source: str, tag: str, save_as: str = None) -> dict:
-    _, model, optimizer = build(mesh, seed=41)
+def _load_dump_save(ctx, mesh, source: str, tag: str, *, seed: int, step: int,
+                    save_as: str = None) -> dict:
+    """Load ``source`` into a model built from another seed, dump what it holds as ``tag``;
+    then (``save_as``) train one step and save and dump that too."""
+    _, model, optimizer = build(mesh, seed=seed)
     loaded = checkpoint.load(shared() / source, model, optimizer)
     dump(tag, ctx, model, optimizer)
-    checks = {"step": equal(loaded["step"], 2)}
     if save_as:
         cfg = from_dict({}, MODEL + mesh)
         train(cfg, model, optimizer, ctx, steps=1)      # new values, saved and checked
         checkpoint.save(shared() / save_as, model, optimizer, step=3)
         dump(save_as, ctx, model, optimizer)
-    return checks
+    return {"step": equal(loaded["step"], step)}
 
 
 @suite.case
 def w4_load_w2_flat_then_save(ctx):
-    return _load_dump_save(ctx, FLAT, "w2", "w2_at_f4", save_as="f4")
+    return _load_dump_save(ctx, FLAT, "w2", "w2_at_f4", seed=41, step=2, save_as="f4")
 
 
 @suite.case
 def w4_load_w2_hsdp_then_save(ctx):
-    return _load_dump_save(ctx, HSDP, "w2", "w2_at_h4", save_as="h4")
+    return _load_dump_save(ctx, HSDP, "w2", "w2_at_h4", seed=42, step=2, save_as="h4")
 
 
 @suite.case
 def w4_load_hsdp_into_flat(ctx):
-    _, model, optimizer = build(FLAT, seed=43)
-    loaded = checkpoint.load(shared() / "h4", model, optimizer)
-    dump("h4_at_f4", ctx, model, optimizer)
-    return {"step": equal(loaded["step"], 3)}
+    return _load_dump_save(ctx, FLAT, "h4", "h4_at_f4", seed=43, step=3)
 
 
 @suite.case
@@ -255,18 +254,12 @@ def w4_hsdp_replicas_write_once(ctx):
 # -- phase 3: 2 ranks again -------------------------------------------------------------------
 @suite.case
 def back_load_hsdp_at_2(ctx):
-    _, model, optimizer = build(FLAT, seed=45)
-    loaded = checkpoint.load(shared() / "h4", model, optimizer)
-    dump("h4_at_w2", ctx, model, optimizer)
-    return {"step": equal(loaded["step"], 3)}
+    return _load_dump_save(ctx, FLAT, "h4", "h4_at_w2", seed=45, step=3)
 
 
 @suite.case
 def back_load_world_1_at_2(ctx):
-    _, model, optimizer = build(FLAT, seed=47)
-    loaded = checkpoint.load(shared() / "w1", model, optimizer)
-    dump("w1_at_w2", ctx, model, optimizer)
-    return {"step": equal(loaded["step"], 5)}
+    return _load_dump_save(ctx, FLAT, "w1", "w1_at_w2", seed=47, step=5)
 
 
 if __name__ == "__main__":
