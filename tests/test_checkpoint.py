@@ -250,3 +250,14 @@ def test_export_loads_into_the_unsharded_model_with_plain_mindspore(tmp_path):
     not_loaded = ms.load_param_into_net(fresh, ms.load_checkpoint(str(out), format="safetensors"))
     assert not_loaded == ([], [])
     _assert_same(_values(fresh), _values(model))
+
+
+def test_export_to_a_directory_or_an_unwritable_place_is_refused_by_name(tmp_path):
+    model, _ = _trained(seed=3, steps=0)
+    checkpoint.save(tmp_path / "ck", model)
+    with pytest.raises(CheckpointError, match=f"{tmp_path} is a directory"):
+        checkpoint.export_full(tmp_path / "ck", tmp_path)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="cannot be written"):
+        checkpoint.export_full(tmp_path / "ck", tmp_path / "file" / "model.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "file"]

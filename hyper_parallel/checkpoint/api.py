@@ -225,6 +225,11 @@ def export_full(checkpoint, out) -> dict:
     if not arrays:
         raise CheckpointError(f"checkpoint {root} holds no model tensors")
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    size = files.write_single_file(out, arrays, {"step": json.dumps(index.step)})
+    if out.is_dir():
+        raise CheckpointError(f"export target {out} is a directory; name the file to write")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        size = files.write_single_file(out, arrays, {"step": json.dumps(index.step)})
+    except (OSError, files.SafetensorError) as exc:
+        raise CheckpointError(f"export target {out} cannot be written: {exc}") from exc
     return {"tensors": len(arrays), "bytes": size, "seconds": time.perf_counter() - start}

@@ -129,8 +129,12 @@ def _commit(tmp: Path, final: Path) -> None:
 def write_single_file(final: Path, arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> int:
     """Write one safetensors file under a temporary name and rename it; its size in bytes."""
     tmp = final.with_name(final.name + ".tmp")
-    save_file(arrays, str(tmp), metadata=metadata)
-    _commit(tmp, final)
+    try:
+        save_file(arrays, str(tmp), metadata=metadata)
+        _commit(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return final.stat().st_size
 
 
