@@ -343,6 +343,9 @@ SIMPLE = {
     "train.learning_rate": finite_positive,
     "train.seed": st.integers(0, 2**32 - 1),
     "train.optimizer": st.sampled_from(["adam", "sgd"]),
+    "train.resume_from": st.none() | st.text(
+        st.characters(whitelist_categories=("L", "N"), whitelist_characters="/_-. "),
+        min_size=1, max_size=20).filter(lambda s: s.strip() == s),
     "launch.ranks": st.integers(1, 8),      # within one host's bound on CPU and Ascend
     "launch.device": st.sampled_from(["CPU", "Ascend"]),
     "launch.master_port": st.none() | st.integers(1, 65535),
@@ -377,10 +380,21 @@ LAUNCH_NODE_KEYS = {"launch.nodes", "launch.node_rank", "launch.ranks_per_node",
                     "launch.hccl_buffsize_mib"}
 
 
+@st.composite
+def checkpoint_saving(draw):
+    """save_every needs save_dir: drawn together so every set is valid."""
+    save_dir = draw(SIMPLE["launch.log_dir"])
+    every = draw(st.none() | st.integers(1, 10_000)) if save_dir is not None else None
+    return {"train.save_dir": save_dir, "train.save_every": every}
+
+
+SAVE_KEYS = {"train.save_dir", "train.save_every"}
+
+
 def test_property_strategies_cover_every_key():
     # A key added to the schema must be added to the property test too.
     every = {f"{s}.{k}" for s, keys in known_keys().items() for k in keys}
-    assert set(SIMPLE) | MODEL_SHAPE_KEYS | MESH_KEYS | LAUNCH_NODE_KEYS == every
+    assert set(SIMPLE) | MODEL_SHAPE_KEYS | MESH_KEYS | LAUNCH_NODE_KEYS | SAVE_KEYS == every
 
 
 @st.composite
@@ -389,6 +403,8 @@ def override_sets(draw):
     chosen = {key: draw(SIMPLE[key]) for key in keys}
     if draw(st.booleans()):
         chosen.update(draw(model_shape()))
+    if draw(st.booleans()):
+        chosen.update(draw(checkpoint_saving()))
     return chosen
 
 
@@ -469,3 +485,51 @@ def test_bad_meshes_are_refused_naming_the_key(body, needle):
     with pytest.raises(ConfigValueError) as err:
         from_dict({"fully_shard": body})
     assert needle in str(err.value)
+
+
+# ---- checkpoints --------------------------------------------------------------------------------
+def test_checkpoint_keys_default_to_nothing_saved_or_resumed():
+    train = load_config(TINY).train
+    assert (train.save_dir, train.save_every, train.resume_from) == (None, None, None)
+
+
+def test_checkpoint_keys_load_from_a_file_and_from_overrides(tmp_path):
+    path = write(tmp_path, "train:\n  save_dir: ckpt\n  save_every: 2\n"
+                           "  resume_from: old/step-00000002\n")
+    train = load_config(path).train
+    assert (train.save_dir, train.save_every, train.resume_from) == \
+        ("ckpt", 2, "old/step-00000002")
+    train = load_config(TINY, ["train.save_dir=out", "train.save_every=3"]).train
+    assert (train.save_dir, train.save_every) == ("out", 3)
+    assert load_config(TINY, ["train.save_dir=out"]).train.save_every is None   # at the end
+
+
+@pytest.mark.parametrize("source", ["file", "override"])
+def test_save_every_without_save_dir_names_both_keys(tmp_path, source):
+    if source == "file":
+        path, overrides = write(tmp_path, "train:\n  save_every: 2\n"), []
+    else:
+        path, overrides = TINY, ["train.save_every=2"]
+    with pytest.raises(ConfigValueError) as info:
+        load_config(path, overrides)
+    message = str(info.value)
+    assert "train.save_every = 2" in message and "train.save_dir" in message
+    assert (str(path) if source == "file" else "'train.save_every=2'") in message
+    assert info.value.key == "train.save_every"
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("save_every", 0, "an integer >= 1 or null"),
+    ("save_every", "2", "an integer >= 1 or null"),
+    ("save_every", True, "an integer >= 1 or null"),
+    ("save_dir", "", "a non-empty string or null"),
+    ("save_dir", 3, "a non-empty string or null"),
+    ("resume_from", "", "a non-empty string or null"),
+    ("resume_from", ["a"], "a non-empty string or null"),
+])
+def test_bad_checkpoint_values_name_key_and_allowed(key, value, needle):
+    body = {key: value, **({"save_dir": "ckpt"} if key == "save_every" else {})}
+    with pytest.raises(ConfigValueError) as info:
+        from_dict({"train": body})
+    assert f"train.{key} = {value!r}" in str(info.value) and needle in str(info.value)
+    assert info.value.key == f"train.{key}"

@@ -4,18 +4,22 @@
     gradpool check-config FILE [FILE ...] [--set section.key=value ...]
     gradpool launch-cmd --config FILE --node-rank K [--set section.key=value ...]
     gradpool plan --config FILE [--set ...] [--json] [--hbm-gbps G] [--copy-efficiency F]
+    gradpool export --checkpoint DIR --out model.safetensors
     gradpool bench [--device CPU] [--nproc 2] [--out results.json] [--quick]
     gradpool bench --suite overlap [--quick]
     gradpool --version
 
 Exit codes: 0 success; 1 the run failed (a rank failed, a loss was not finite, a gradient the reduce
 path received was changed or freed, the reference check failed); 2 the command or the config is
-wrong (the reason is printed as one line).
+wrong, or a checkpoint to resume from or export is missing, corrupt or does not fit the run (the
+reason is printed as one line).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -23,7 +27,8 @@ from typing import Optional, Sequence
 
 from gradpool.app.config import RunConfig, dump_yaml, load_config
 from gradpool.device import SUPPORTED_DEVICES
-from gradpool.errors import ConfigError, InvalidArgumentError
+from gradpool.errors import (CheckpointError, ConfigError, InvalidArgumentError,
+                             StateMismatchError)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 DEFAULT_REFERENCE_RTOL = 1e-3
@@ -96,6 +101,13 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--device-memory-gib", type=float, default=None,
                       help="card memory to compare with (default: 64 on Ascend)")
     plan.set_defaults(command=_plan)
+
+    export = command("export", help="write a checkpoint's model as one safetensors file that "
+                                    "plain MindSpore loads into the unsharded model")
+    export.add_argument("--checkpoint", required=True, metavar="DIR",
+                        help="a checkpoint directory (train.save_dir/step-<N>)")
+    export.add_argument("--out", required=True, metavar="FILE", help="the safetensors file")
+    export.set_defaults(command=_export)
 
     bench = command("bench", help="copy-overhead and reduce-step benchmarks, then report")
     bench.add_argument("--device", default="CPU", choices=SUPPORTED_DEVICES)
@@ -181,6 +193,10 @@ def _train(args) -> int:
     cfg = _checked_launch(args.config, args.overrides)
     if cfg is None:
         return EXIT_USAGE
+    cfg = _checkpoint_paths(cfg)
+    resume = _checked_resume(cfg)
+    if resume is False or not _save_dir_writable(cfg, args.config):
+        return EXIT_USAGE
     from gradpool.app.job import TrainJobError, compare_with_reference, prepare_log_dir, run_job
 
     launch = cfg.launch
@@ -195,6 +211,9 @@ def _train(args) -> int:
         print(f"gradpool train: {launch.ranks} {launch.device} rank(s) {where}, config "
               f"{args.config}" + (f" with {', '.join(args.overrides)}" if args.overrides else ""),
               flush=True)
+    if resume is not None:
+        print(f"gradpool train: resuming from {resume.path} at step {resume.step} of "
+              f"{cfg.train.steps} (saved at {resume.world_size} rank(s))", flush=True)
     try:
         log_dir = prepare_log_dir(cfg)
     except OSError as exc:
@@ -241,6 +260,46 @@ def _train(args) -> int:
     return EXIT_OK
 
 
+def _checkpoint_paths(cfg: RunConfig) -> RunConfig:
+    """``train.save_dir`` and ``train.resume_from`` made absolute: the ranks, and the messages,
+    then name the directories the user meant, whatever directory a rank runs in."""
+    train = cfg.train
+    paths = {key: os.path.abspath(getattr(train, key)) for key in ("save_dir", "resume_from")
+             if getattr(train, key) is not None}
+    return dataclasses.replace(cfg, train=dataclasses.replace(train, **paths)) if paths else cfg
+
+
+def _checked_resume(cfg: RunConfig):
+    """The checkpoint ``train.resume_from`` names, checked against the run before anything is
+    launched (None: no resume; False: refused, after printing why in one line)."""
+    if cfg.train.resume_from is None:
+        return None
+    from gradpool.app.checkpoints import check_resume, read_checkpoint
+    try:
+        info = read_checkpoint(cfg.train.resume_from)
+        check_resume(cfg, info, cfg.launch.ranks)
+    except (CheckpointError, StateMismatchError, ConfigError) as exc:
+        print(f"gradpool train: cannot resume: {_one_line(exc)}", file=sys.stderr)
+        return False
+    return info
+
+
+def _save_dir_writable(cfg: RunConfig, config: str) -> bool:
+    """Made now, so a directory that cannot be written fails here, not after the first steps."""
+    save_dir = cfg.train.save_dir
+    if save_dir is None:
+        return True
+    try:
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        if not os.access(save_dir, os.W_OK | os.X_OK):
+            raise PermissionError("permission denied")
+    except OSError as exc:
+        print(f"gradpool: config error: {config}: train.save_dir = {save_dir!r} cannot be "
+              f"written ({exc.strerror or exc}); give a writable directory", file=sys.stderr)
+        return False
+    return True
+
+
 def _print_step(total: int):
     width = len(str(total))
 
@@ -250,6 +309,10 @@ def _print_step(total: int):
               f"copy {record.copy_gbps:6.2f} GB/s  new allocations {record.new_allocations:3d}  "
               f"pool high-water {_bytes(record.high_water_bytes)}  stalls {record.stalls}",
               flush=True)
+        if record.saved is not None:       # its own line: the step line keeps its format
+            saved = record.saved
+            print(f"saved step {saved['step']} to {saved['path']} ({_bytes(saved['bytes'])}, "
+                  f"{saved['seconds']:.2f} s)", flush=True)
     return show
 
 
@@ -262,10 +325,13 @@ def _print_summary(result) -> None:
     later = times[1:]
     after_first = sum(r.new_allocations for r in records[1:])
     outcome = result.outcome
-    print(f"summary: {len(records)} steps, mean step time {statistics.fmean(times) * 1e3:.1f} ms"
-          + (f" ({statistics.fmean(later) * 1e3:.1f} ms after step 1)" if later else "")
+    first = records[0].step + 1 if records else 1      # a resumed run starts after its step
+    which = f" (steps {first}-{records[-1].step + 1})" if first > 1 else ""
+    print(f"summary: {len(records)} steps{which}, mean step time "
+          f"{statistics.fmean(times) * 1e3:.1f} ms"
+          + (f" ({statistics.fmean(later) * 1e3:.1f} ms after step {first})" if later else "")
           + f", copied {_bytes(sum(r.bytes_copied for r in records))} in total, "
-          f"{after_first} new allocations after step 1, "
+          f"{after_first} new allocations after step {first}, "
           f"pool high-water {_bytes(max((r.high_water_bytes for r in records), default=0))}")
     ranks = (result.job or {}).get("ranks", [])
     if len(ranks) > 1:
@@ -295,6 +361,23 @@ def _print_summary(result) -> None:
                   f"unchanged after their reduce path (rank 0)")
     else:
         print("gradient integrity: not verified (gradpool.verify_gradients is false)")
+    _print_checkpoints(outcome, len(ranks) or 1)
+
+
+def _print_checkpoints(outcome, world: int) -> None:
+    """What the run loaded and saved (rank 0's view: sizes are every rank's together)."""
+    resumed = outcome.resumed
+    if resumed is not None:
+        print(f"resumed from {resumed['path']} at step {resumed['step']} (saved at "
+              f"{resumed['world_size']} rank(s)): {_bytes(resumed['job_bytes_read'])} read by "
+              f"{world} rank(s), {resumed['job_seconds']:.2f} s")
+    saved = outcome.saved
+    if saved:
+        plural = "s" if len(saved) > 1 else ""
+        print(f"saved {len(saved)} checkpoint{plural} (step{plural} "
+              f"{', '.join(str(s['step']) for s in saved)}): "
+              f"{_bytes(sum(s['bytes'] for s in saved))}, "
+              f"{sum(s['seconds'] for s in saved):.2f} s in all; the last is {saved[-1]['path']}")
 
 
 def _bytes(n: float) -> str:
@@ -332,6 +415,32 @@ def _launch_cmd(args) -> int:
     print(f"mkdir -p {shlex.quote(str(log_dir))}")
     print(f"{shlex.join(check)} > {shlex.quote(str(log_dir / 'config.yaml'))}")
     print(node.shell())
+    return EXIT_OK
+
+
+# -- export ------------------------------------------------------------------------------------
+def _export(args) -> int:
+    """The full model of a checkpoint as one file, read on this host (no launch)."""
+    from safetensors import SafetensorError
+    from gradpool.app.checkpoints import read_checkpoint
+    if Path(args.out).is_dir():
+        # the file is written beside its name first: a directory would leave DIR.tmp behind
+        raise _UsageError(f"--out {args.out} is a directory; give the file to write, e.g. "
+                          f"{Path(args.out) / 'model.safetensors'}")
+    try:
+        info = read_checkpoint(args.checkpoint)     # the clear "no checkpoint" error first
+        from hyper_parallel.checkpoint import export_full
+        written = export_full(args.checkpoint, args.out)
+    except CheckpointError as exc:
+        print(f"gradpool export: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    except (OSError, SafetensorError) as exc:      # safetensors' own when it cannot write
+        print(f"gradpool export: --out {args.out} cannot be written: {_one_line(exc)}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    print(f"gradpool export: wrote {args.out}: {written['tensors']} tensors, "
+          f"{_bytes(written['bytes'])}, {written['seconds']:.2f} s (step {info.step} of "
+          f"{info.path}, saved at {info.world_size} rank(s))")
     return EXIT_OK
 
 

@@ -372,6 +372,19 @@ class TrainConfig(_Section):
     learning_rate: float = _key(1e-3, PositiveNumber())
     seed: int = _key(1234, Int(minimum=0))            # parameter init and token batches
     optimizer: str = _key("adam", Choice(("adam", "sgd")))
+    # Checkpoints go to <save_dir>/step-<8 digits> (gradpool.app.checkpoints); null: none.
+    save_dir: Optional[str] = _key(None, Text(nullable=True))
+    save_every: Optional[int] = _key(None, Int(minimum=1, nullable=True))  # null: at the end
+    resume_from: Optional[str] = _key(None, Text(nullable=True))   # a step-<N> directory
+
+    def _check_together(self, source: str) -> None:
+        if self.save_every is not None and self.save_dir is None:
+            # without a directory the run would train for hours and keep nothing
+            raise ConfigValueError(
+                f"{source}: train.save_every = {self.save_every} needs train.save_dir, which is "
+                "null; set train.save_dir to where the checkpoints go (or train.save_every to "
+                "null)", key="train.save_every", given=self.save_every,
+                allowed="null unless train.save_dir is set")
 
 
 # Set by the launcher itself on every rank (msrun's dynamic-cluster variables, the rank report,

@@ -71,6 +71,7 @@ class JobStep:
     step: int
     loss: float
     ranks: tuple           # one dict of rank_main.STEP_FIELDS per rank
+    saved: Optional[dict] = None     # the checkpoint saved after this step, rank 0's view
 
     def record(self) -> StepRecord:
         """The step as one line shows it: the slowest rank's time, the largest bytes copied,
@@ -83,7 +84,7 @@ class JobStep:
                           new_allocations=sum(r["new_allocations"] for r in ranks),
                           high_water_bytes=max(r["high_water_bytes"] for r in ranks),
                           stall_seconds=max(r["stall_seconds"] for r in ranks),
-                          stalls=max(r["stalls"] for r in ranks))
+                          stalls=max(r["stalls"] for r in ranks), saved=self.saved)
 
 
 @dataclass(frozen=True)
@@ -211,8 +212,8 @@ def read_records(log_dir: Path, rank: int = 0) -> list:
 def read_job_steps(log_dir: Path) -> list:
     """The :class:`JobStep` s rank 0 has published so far (every rank's counters), in order."""
     report = rank_report.read_report(log_dir, 0)
-    return [JobStep(step=e["step"], loss=e["loss"], ranks=tuple(e["ranks"]))
-            for e in rank_main.read_job_steps(report)]
+    return [JobStep(step=e["step"], loss=e["loss"], ranks=tuple(e["ranks"]),
+                    saved=e.get("saved")) for e in rank_main.read_job_steps(report)]
 
 
 def read_job_records(log_dir: Path, rank: int = 0) -> list:

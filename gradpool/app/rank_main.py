@@ -19,6 +19,12 @@ rank trains exactly what the launcher printed. Each rank publishes into its rank
   counters) and, once every rank has finished, ``results["job"]`` (each rank's outcome and pool
   statistics).
 
+With ``train.resume_from`` every rank loads the checkpoint before its first step and the outcome's
+``resumed`` says what was read (rank 0's also by the whole job); with ``train.save_dir`` every
+rank saves when :func:`gradpool.app.checkpoints.save_due` says so, after the step's record is
+complete and before it is published, so the step's record (``saved``) and rank 0's ``job_steps``
+entry name the checkpoint (:mod:`gradpool.app.checkpoints`).
+
 Every rank also prints one line per step into its own log (msrun's ``worker_<rank>.log``), as
 mindformers does: ``step 3/5 loss 4.537 time 912.4 ms lr 1.000e-03 ...``.
 
@@ -46,12 +52,14 @@ import mindspore as ms
 
 import numpy as np
 
-from gradpool.app import rank_report
-from gradpool.app.train import NonFiniteLossError, build_sharded_model, train_sharded
+from gradpool.app import checkpoints, rank_report
+from gradpool.app.train import (NonFiniteLossError, build_sharded_model, optimizer_for,
+                                train_sharded)
 from gradpool.comm import init_distributed
 from gradpool.app.config import LaunchConfig, RunConfig, load_config
 from gradpool.device import block_launches, launches_blocking
-from gradpool.errors import GradientIntegrityError, GradPoolError, InvalidArgumentError
+from gradpool.errors import (CheckpointError, ConfigError, GradientIntegrityError,
+                             GradPoolError, InvalidArgumentError, StateMismatchError)
 from gradpool.runtime import runtime_for
 
 logger = logging.getLogger(__name__)
@@ -68,6 +76,7 @@ OUTCOME_FIELDS = (("ok", int), ("steps", int), ("verified_gradients", int),
                   ("bytes_reserved", int), ("high_water_bytes", int), ("bytes_copied", int),
                   ("copy_seconds", float), ("stall_seconds", float), ("stalls", int),
                   ("padding_bytes", int))
+LOAD_FIELDS = (("bytes_read", int), ("seconds", float))    # each rank's part of a resume
 _DIGIT = 2 ** 16            # ints cross the float32 all-reduce as base-2^16 digits: exact
 _DIGITS = 4
 
@@ -83,13 +92,15 @@ class RankOutcome:
     rank: int
     world_size: int
     status: str = STATUS_OK
-    steps: int = 0                      # steps completed
+    steps: int = 0                      # steps this run completed (a resumed run: after k)
     error_type: Optional[str] = None
     error_message: Optional[str] = None
     verify_gradients: bool = False
     verified_gradients: int = 0         # gradients checksummed intact after their reduce path
     launch_blocking: bool = False       # ops ran synchronously (read from MindSpore, not the config)
     pool: dict = field(default_factory=dict)   # gradpool.pool.PoolStats as a dict
+    resumed: Optional[dict] = None      # checkpoints.resume()'s dict (+ the job's, rank 0)
+    saved: list = field(default_factory=list)   # checkpoints.save_step()'s dicts, in order
 
     @property
     def ok(self) -> bool:
@@ -130,24 +141,38 @@ def run_rank(cfg: RunConfig, out_dir, on_step: Optional[Callable] = None,
                 "start exactly launch.ranks processes")
         model = build_sharded_model(cfg)
         runtime = runtime_for(cfg.gradpool)
+        optimizer = optimizer_for(cfg, model.trainable_params())
+        first_step = 0
+        if cfg.train.resume_from is not None:
+            outcome.resumed = _resume(cfg, model, optimizer, runtime.comm)
+            first_step = outcome.resumed["step"]
+            if log_steps:
+                print(resumed_line(outcome.resumed), flush=True)
         reporter.publish(STEPS, steps)
 
         def write(record) -> None:
+            if checkpoints.save_due(cfg, record.step + 1):
+                record.saved = checkpoints.save_step(cfg, model, optimizer, record.step + 1,
+                                                     world)
+                outcome.saved.append(record.saved)
             steps.append(dataclasses.asdict(record))
             reporter.publish(STEPS, steps)
-            outcome.steps = record.step + 1
+            outcome.steps = record.step + 1 - first_step
             if log_steps:
                 print(step_line(cfg, record, rank, world), flush=True)
+                if record.saved is not None:
+                    print(saved_line(record.saved), flush=True)
             # every rank reaches this point of every step: rank 0 learns everyone's counters
             rows = exchange(runtime.comm, [getattr(record, n) for n, _ in STEP_FIELDS],
                             STEP_FIELDS)
             if rank == 0:
                 reporter.publish_entry(JOB_STEPS, str(record.step), {
-                    "step": record.step, "loss": record.loss,
+                    "step": record.step, "loss": record.loss, "saved": record.saved,
                     "ranks": [dict(zip((n for n, _ in STEP_FIELDS), row)) for row in rows]})
             if on_step is not None:
                 on_step(record)
-        train_sharded(cfg, model, runtime.comm, runtime.pool, on_step=write)
+        train_sharded(cfg, model, runtime.comm, runtime.pool, on_step=write,
+                      optimizer=optimizer, first_step=first_step)
     except Exception as exc:  # noqa: BLE001 - the process boundary: record, then report
         outcome.status = STATUS_FAILED
         outcome.error_type = type(exc).__name__
@@ -184,6 +209,27 @@ def step_line(cfg: RunConfig, record, rank: int, world: int) -> str:
             f"rank {rank}/{world} copied {record.bytes_copied} B "
             f"new allocations {record.new_allocations} "
             f"pool high-water {record.high_water_bytes} B")
+
+
+def saved_line(saved: dict) -> str:
+    """A saved checkpoint in the rank's log (the bytes are every rank's files together)."""
+    return (f"saved step {saved['step']} to {saved['path']} ({saved['bytes']} B, "
+            f"{saved['seconds']:.2f} s)")
+
+
+def resumed_line(resumed: dict) -> str:
+    return (f"resumed from {resumed['path']} at step {resumed['step']} (saved at "
+            f"{resumed['world_size']} ranks; {resumed['bytes_read']} B read by this rank, "
+            f"{resumed['seconds']:.2f} s)")
+
+
+def _resume(cfg: RunConfig, model, optimizer, comm) -> dict:
+    """Load the checkpoint on every rank; the dict also holds what the job read in all
+    (``job_bytes_read``) and how long the slowest rank took (``job_seconds``)."""
+    resumed = checkpoints.resume(cfg, model, optimizer, comm.world_size)
+    rows = exchange(comm, [resumed["bytes_read"], resumed["seconds"]], LOAD_FIELDS)
+    return {**resumed, "job_bytes_read": sum(row[0] for row in rows),
+            "job_seconds": max(row[1] for row in rows)}
 
 
 def exchange(comm, row: Sequence, fields: Sequence) -> list:
@@ -262,7 +308,8 @@ def _cluster_failed(cfg: RunConfig, out_dir, exc: RuntimeError) -> RankOutcome:
 
 def _expected(exc: Exception) -> bool:
     """Failures the run detects on purpose: their message says it all, no traceback needed."""
-    return isinstance(exc, (NonFiniteLossError, GradientIntegrityError))
+    return isinstance(exc, (NonFiniteLossError, GradientIntegrityError, CheckpointError,
+                            StateMismatchError, ConfigError))
 
 
 def read_job_steps(report) -> list:

@@ -42,6 +42,7 @@ class StepRecord:
     high_water_bytes: int
     stall_seconds: float
     stalls: int = 0       # acquires that waited for an in-flight bucket, during this step
+    saved: Optional[dict] = None   # the checkpoint saved after this step (path, bytes, seconds)
 
 
 class NonFiniteLossError(GradPoolError, ArithmeticError):
@@ -99,13 +100,20 @@ def _batch(cfg: RunConfig, step: int, micro: int, rank: int, world: int) -> ms.T
 
 
 def train_sharded(cfg: RunConfig, model, comm, pool,
-                  on_step: Optional[Callable[[StepRecord], None]] = None) -> list[StepRecord]:
-    """Train ``model`` (already ``fully_shard``-ed) for ``cfg.train.steps`` steps."""
+                  on_step: Optional[Callable[[StepRecord], None]] = None, *,
+                  optimizer=None, first_step: int = 0) -> list[StepRecord]:
+    """Train ``model`` (already ``fully_shard``-ed) from step index ``first_step`` up to
+    ``cfg.train.steps`` steps. ``optimizer``: one built on ``model.trainable_params()`` (a resumed
+    run's, its state loaded), else a new :func:`optimizer_for`.
+
+    A step's batches depend only on its index, so a run resumed at step k with the model and
+    optimizer state of step k takes the same steps as the run that saved it."""
     params = model.trainable_params()
     grad_fn = ms.value_and_grad(lambda tokens: next_token_loss(model, tokens), None, params)
-    optimizer = optimizer_for(cfg, params)
+    if optimizer is None:
+        optimizer = optimizer_for(cfg, params)
     records = []
-    for step in range(cfg.train.steps):
+    for step in range(first_step, cfg.train.steps):
         before = pool.stats()
         start = time.perf_counter()
         model.zero_grad()
