@@ -8,13 +8,17 @@ MindSpore 2.10's CPU backend silently ignores ``copy_`` into a view at a non-zer
 ``add_`` out-of-place, rejects slice-assignment into bfloat16 and has no pad kernel. So on the
 **device path** (portable to Ascend):
 
-* the bucket content is assembled out-of-place with one ``mint.cat`` (gradients, uneven-shard
-  zero rows and alignment gaps in row order) and written once with
-  :func:`gradpool.dtypes.overwrite`; ``mint.cat`` costs far less per input than a
-  slice-assignment per gradient (docs/benchmarks/host-path.md#device-path-assembly);
+* a pack writes each gradient's chunks straight into their columns of the bucket's ``[W, row]``
+  grid by slice-assignment and zero-fills padding and gaps where they lie: every byte of the
+  bucket is written once and no tensor of its size is made (:func:`_write_in_place`;
+  ``tests/test_pack_device.py`` counts both). A cast is done by the write itself, except to or
+  from bfloat16 on CPU (its copy kernel takes no bfloat16: a tensor of the gradient's size goes
+  first); a gradient sharded on a dim other than 0 is padded and permuted into chunk order first;
 * a single gradient whose layout is the identity is written straight from the gradient (one
   pass: the large-gradient bandwidth path);
-* accumulation is an out-of-place add written back the same way.
+* accumulation assembles the packed gradients out of place with one ``mint.cat`` (far cheaper
+  per input than a slice-assignment per gradient, docs/benchmarks/host-path.md#device-path-assembly),
+  adds them out of place (CPU's ``add_`` is out of place) and writes the sum back.
 
 On the CPU backend a tensor's ``asnumpy()`` is its own host memory, MindSpore's CPU copy kernel
 runs well below memcpy bandwidth and its casts are slower still
@@ -45,10 +49,10 @@ import mindspore as ms
 import numpy as np
 from mindspore import mint
 
-from gradpool.device import drain_launch_queue
+from gradpool.device import device_target, drain_launch_queue
 from gradpool.dtypes import (canonicalize_nans, check_dtype, compiled_cast, host_address,
                              host_alias, host_view, host_writer, is_supported_singleton,
-                             is_whole_storage, itemsize, overwrite)
+                             is_whole_storage, itemsize, overwrite, writable_view)
 from gradpool.errors import InvalidArgumentError, LayoutMismatchError, LeaseStateError
 from gradpool.layout import GradSlot, ReduceScatterLayout
 from gradpool.pool import Lease
@@ -208,11 +212,12 @@ def _put(lease: Lease, grads, layout: ReduceScatterLayout, add: bool, host: bool
     on_host = host and _host_applies(lease)
     if on_host:
         _host_write(lease, grads, layout, add=add)
+    elif add:
+        overwrite(lease.tensor, _add_once_rounded(lease.tensor, _assemble(grads, layout)))
+    elif layout.is_identity():
+        overwrite(lease.tensor, _device_flat(grads[0]))
     else:
-        packed = _assemble(grads, layout)
-        if add:
-            packed = _add_once_rounded(lease.tensor, packed)
-        overwrite(lease.tensor, packed)
+        _write_in_place(lease, grads, layout)
     size = itemsize(lease.dtype)
     return Written(layout.total_numel * size, 0 if add else layout.padding_numel * size, on_host)
 
@@ -273,6 +278,107 @@ def _assemble(grads: Sequence[ms.Tensor], layout: ReduceScatterLayout) -> ms.Ten
               else chunk_rows(grads[slot.index], slot) for length, slot in layout.row_segments()]
     out = mint.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
     return out.view(layout.total_numel)
+
+
+def _write_in_place(lease: Lease, grads, layout: ReduceScatterLayout) -> None:
+    """The device pack in one pass: every gradient's chunks go straight into their columns of
+    the bucket's ``[W, row]`` grid by slice-assignment (what lands in a view on CPU and Ascend
+    alike), padding and gaps are zero-filled where they lie, and no tensor of the bucket's size
+    is made. A gradient sharded on a dim other than 0 is padded and permuted into chunk order
+    first (tensors of its own padded size: the grid cannot take a permuted source in one write)."""
+    grid = _Grid(lease, layout.world_size, layout.row_numel, by_rows=_writes_by_rows())
+    start = 0
+    for length, slot in layout.row_segments():
+        columns = slice(start, start + length)
+        start += length
+        if slot is None:
+            grid.fill_zero(slice(0, layout.world_size), columns)
+        elif slot.shard_dim == 0:
+            _write_dim0(grid, columns, grid.writable(grads[slot.index]), slot)
+        else:
+            grid.put(slice(0, layout.world_size), columns,
+                     chunk_rows(grid.writable(grads[slot.index]), slot))
+
+
+def _write_dim0(grid: "_Grid", columns: slice, grad: ms.Tensor, slot: GradSlot) -> None:
+    """A dim-0 gradient's chunks are consecutive runs of its flat memory: row r takes
+    ``[r * chunk, (r + 1) * chunk)``, the last partial run and the rows past the gradient's end
+    are zero-filled where the gradient stops."""
+    flat, chunk = flat_view(grad), slot.chunk_numel
+    full, rest = divmod(flat.numel(), chunk)
+    if full:
+        grid.put_runs(slice(0, full), columns.start, flat, chunk, chunk)
+    if rest:
+        grid.put_runs(slice(full, full + 1), columns.start, flat, chunk, rest)
+        grid.fill_zero(slice(full, full + 1), slice(columns.start + rest, columns.stop))
+        full += 1
+    if full < slot.world_size:
+        grid.fill_zero(slice(full, slot.world_size), columns)
+
+
+def _writes_by_rows() -> bool:
+    return device_target() == "CPU"
+
+
+class _Grid:
+    """A bucket seen as ``[W, row]``, written by slice-assignment: one strided write per block
+    into the lease's view (``by_rows=False``, the Ascend form), or one contiguous write per row
+    of the block straight into the pool's allocation (CPU: its strided copy kernel is far slower
+    than its contiguous one, and a slice-assignment into a view rewrites the whole view through
+    its base: docs/benchmarks/host-path.md#device-pack-writes)."""
+
+    def __init__(self, lease: Lease, world: int, row: int, by_rows: bool):
+        self.row, self.by_rows = row, by_rows
+        self.flat = lease.allocation if by_rows else lease.tensor
+        self.shape = (world, row)
+        self._bits = None            # the bucket as int16, made once (a dtype view is an op)
+
+    def _as_bits(self) -> ms.Tensor:
+        if self._bits is None:
+            self._bits = writable_view(self.flat)
+        return self._bits
+
+    def writable(self, grad: ms.Tensor) -> ms.Tensor:
+        """``grad`` as :meth:`put` can write it. The CPU copy kernel takes no bfloat16: there a
+        cast to or from it goes through one tensor of the gradient's size, and bfloat16 bits move
+        as int16. Elsewhere the write itself casts."""
+        dtype = self.flat.dtype
+        if device_target() != "CPU" or (dtype != ms.bfloat16 and grad.dtype != ms.bfloat16):
+            return grad
+        return writable_view(grad if grad.dtype == dtype else grad.astype(dtype))
+
+    def put_runs(self, rows: slice, column: int, flat: ms.Tensor, chunk: int, width: int) -> None:
+        """Row r (in ``rows``) takes ``flat[r * chunk, r * chunk + width)`` at ``column``
+        (``width < chunk`` only for a single row)."""
+        first = rows.start * chunk
+        if not self.by_rows:
+            count = rows.stop - rows.start
+            block = flat[first:first + (count - 1) * chunk + width].view(count, width)
+            self.put(rows, slice(column, column + width), block)
+            return
+        target = self.flat if flat.dtype != ms.int16 else self._as_bits()
+        for r in range(rows.start, rows.stop):
+            at = r * self.row + column
+            target[at:at + width] = flat[r * chunk:r * chunk + width]
+
+    def put(self, rows: slice, columns: slice, source: ms.Tensor) -> None:
+        """``grid[rows, columns] = source`` (a block of that shape, from :meth:`writable`)."""
+        target = self.flat if source.dtype != ms.int16 else self._as_bits()
+        if not self.by_rows:
+            target.view(self.shape)[rows, columns] = source
+            return
+        for i, r in enumerate(range(rows.start, rows.stop)):
+            at = r * self.row
+            target[at + columns.start:at + columns.stop] = source[i]
+
+    def fill_zero(self, rows: slice, columns: slice) -> None:
+        target = self._as_bits() if self.flat.dtype == ms.bfloat16 else self.flat  # 0 is +0.0
+        if not self.by_rows:
+            target.view(self.shape)[rows, columns] = 0
+            return
+        for r in range(rows.start, rows.stop):
+            at = r * self.row
+            target[at + columns.start:at + columns.stop] = 0
 
 
 def _put_one_on_host(lease: Lease, grad: ms.Tensor, layout: ReduceScatterLayout,
