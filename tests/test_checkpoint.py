@@ -261,3 +261,20 @@ def test_export_to_a_directory_or_an_unwritable_place_is_refused_by_name(tmp_pat
     with pytest.raises(CheckpointError, match="cannot be written"):
         checkpoint.export_full(tmp_path / "ck", tmp_path / "file" / "model.safetensors")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "file"]
+
+
+def test_a_loaded_model_keeps_every_shape_and_saves_again_loadably(tmp_path):
+    """Shapes after a load are the model's own (0-d ones included), so a model loaded from a
+    checkpoint saves one that loads into a fresh model."""
+    model, opt = _trained(seed=3)
+    checkpoint.save(tmp_path / "a", model, opt)
+    other, other_opt = _trained(seed=4, steps=1)
+    shapes = {k: tuple(p.shape) for k, p in {**other.parameters_dict(),
+                                             **other_opt.parameters_dict()}.items()}
+    checkpoint.load(tmp_path / "a", other, other_opt)
+    assert {k: tuple(p.shape) for k, p in {**other.parameters_dict(),
+                                           **other_opt.parameters_dict()}.items()} == shapes
+    checkpoint.save(tmp_path / "b", other, other_opt)
+    third, third_opt = _trained(seed=5, steps=1)
+    checkpoint.load(tmp_path / "b", third, third_opt)
+    _assert_same(_values(third_opt), _values(opt))

@@ -106,7 +106,7 @@ def save(path, model, optimizer=None, *, step: Optional[int] = None, extra: Any 
     try:
         for key, entry in entries:
             if entry.writes:
-                arrays[key] = entry.local_values()
+                arrays[key] = entry.local_values(copy=False)    # read before save returns
                 pieces[key] = {"shape": list(entry.global_shape), "dtype": entry.dtype,
                                "offsets": list(entry.box.offsets),
                                "lengths": list(entry.box.lengths)}
@@ -191,9 +191,13 @@ def load(path, model, optimizer=None) -> dict:
         planned.append((key, entry, record, reads))
     values_of = []
     for key, entry, record, reads in planned:
-        values = np.zeros(entry.box.lengths, dtype=files.numpy_dtype(record.dtype))
-        for piece_index, part in reads:
-            values[part.slices(entry.box)] = reader.read(key, record.pieces[piece_index], part)
+        if len(reads) == 1 and reads[0][1] == entry.box:      # one piece holds all of it
+            values = reader.read(key, record.pieces[reads[0][0]], entry.box)
+        else:
+            values = np.zeros(entry.box.lengths, dtype=files.numpy_dtype(record.dtype))
+            for piece_index, part in reads:
+                values[part.slices(entry.box)] = reader.read(key, record.pieces[piece_index],
+                                                             part)
         values_of.append((entry, values))
     for entry, values in values_of:
         entry.assign(values)

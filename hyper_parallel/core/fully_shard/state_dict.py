@@ -88,9 +88,15 @@ class StateEntry:
     def _local_index(self) -> tuple:
         return tuple(slice(0, n) for n in self.box.lengths) if self.sharded else ()
 
-    def local_values(self) -> np.ndarray:
-        """The unpadded part this rank holds, as a host copy."""
-        values = to_numpy(self.tensor)
+    def local_values(self, copy: bool = True) -> np.ndarray:
+        """The unpadded part this rank holds, as a host copy; ``copy=False``: where the backend
+        allows, a read-only view of the tensor's own memory, valid until the tensor changes."""
+        if copy:
+            values = to_numpy(self.tensor)
+        else:
+            values = self.tensor.asnumpy()
+            if self.tensor.dtype == ms.bfloat16:
+                values = values.view(np.uint16).view(ml_dtypes.bfloat16)
         return np.ascontiguousarray(values[self._local_index()]) if self.sharded else values
 
     def full(self) -> ms.Tensor:
@@ -104,12 +110,17 @@ class StateEntry:
         return unshard(gathered, managed.slot).contiguous()
 
     def assign(self, values: np.ndarray) -> None:
-        """Make ``values`` (the unpadded part :attr:`box`) this rank's tensor; padding is zero."""
-        if self.sharded:
-            local = np.zeros(tuple(self.tensor.shape), dtype=values.dtype)
+        """Make ``values`` (the unpadded part :attr:`box`, a NumPy array this call may keep)
+        this rank's tensor; padding is zero."""
+        shape = tuple(self.tensor.shape)
+        if self.sharded and tuple(values.shape) != shape:
+            local = np.zeros(shape, dtype=values.dtype)
             local[self._local_index()] = values
             values = local
-        self.tensor.set_data(ms.Tensor(values.reshape(tuple(self.tensor.shape))))
+        values = values.reshape(shape)
+        if not (values.flags.c_contiguous and values.flags.writeable):
+            values = values.copy()      # (np.ascontiguousarray would make a 0-d array 1-d)
+        self.tensor.set_data(ms.from_numpy(values))
 
 
 def _world_rank() -> int:
