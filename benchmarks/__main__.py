@@ -3,6 +3,10 @@
 
 Also what msrun runs on each rank when the runner relaunches itself (``benchmarks.runner``)."""
 import sys
+from pathlib import Path
+
+if not __package__:       # run as a script (msrun relaunches this file): the package is not
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))    # installed, its root is here
 
 _USAGE = ("usage: python -m benchmarks run [--device CPU|Ascend] [--nproc N] [--out FILE] "
           "[--quick]\n"

@@ -34,6 +34,10 @@ class BenchmarkCheckError(AssertionError):
     """A benchmarked operation did not produce what it claims (checked after timing)."""
 
 
+class BenchmarkError(RuntimeError):
+    """The benchmark could not run (a rank failed, an option is impossible, a check failed)."""
+
+
 @dataclass(frozen=True)
 class CopyCase:
     """Copy-in of gradients of ``grad_dtype`` into a ``bucket_dtype`` buffer."""

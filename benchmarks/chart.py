@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.report import REFERENCES, copy_rows, copy_timings, size_label
+from benchmarks.copy_table import REFERENCES, copy_rows, copy_timings, size_label
 
 _PANELS = (("speed_vs_memcpy", "memcpy", "against NumPy memcpy of the bytes written"),
            ("speed_vs_fresh_alloc", "fresh_alloc",

@@ -23,7 +23,7 @@ def _timings(config):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    from benchmarks.report import copy_ratios
+    from benchmarks.copy_table import copy_ratios
     timings = _timings(config)
     if not timings:
         return

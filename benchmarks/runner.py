@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from benchmarks.cases import BenchmarkError
 from gradpool.device import SUPPORTED_DEVICES
 
 logger = logging.getLogger(__name__)
@@ -40,10 +41,6 @@ logger = logging.getLogger(__name__)
 SUITES = ("copy", "reduce-local", "reduce-dist", "reduce-profile")
 SCHEMA = 2            # 2: every timing has rounds/median/IQR/stddev/min/max; git commit, versions
 BENCH_EXTRA_HINT = "pip install -e .[bench]"
-
-
-class BenchmarkError(RuntimeError):
-    """The benchmark could not run (a rank failed, an option is impossible)."""
 
 
 @dataclass(frozen=True)

@@ -47,8 +47,7 @@ QUICK = SuiteSettings(copy_sizes=(4 * KIB, MIB),
 
 def _verify(run) -> None:
     """The case's untimed check; a wrong result ends the run as a :class:`BenchmarkError`."""
-    from benchmarks.cases import BenchmarkCheckError
-    from benchmarks.runner import BenchmarkError
+    from benchmarks.cases import BenchmarkCheckError, BenchmarkError
     try:
         run.check()
     except BenchmarkCheckError as exc:

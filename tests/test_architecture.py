@@ -128,3 +128,79 @@ def test_core_comments_hold_no_machine_figures(path):
     hits = [(line, m.group(0)) for line, text in _comments_and_docstrings(path)
             for m in _MACHINE_FIGURE.finditer(text)]
     assert not hits, f"{path.name}: machine figures in comments at {hits}"
+
+
+def _house_modules() -> dict[str, pathlib.Path]:
+    """Every module of the house (core, hyper_parallel, app, benchmarks) by dotted name."""
+    out = {}
+    for top in ("gradpool", "hyper_parallel", "benchmarks"):
+        for path in (ROOT / top).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            out[name] = path
+    return out
+
+
+def _imported_names(path: pathlib.Path) -> list[str]:
+    """What ``path`` imports, one dotted name per imported thing: ``from gradpool import pack``
+    gives gradpool.pack, ``from gradpool import BucketPool`` gives gradpool.BucketPool."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out += [f"{node.module}.{alias.name}" for alias in node.names]
+    return out
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """``{module: house modules it imports}``; an imported name resolves to the longest house
+    module it starts with (a submodule, else the package that defines the name)."""
+    modules = _house_modules()
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in _imported_names(path):
+            parts = imported.split(".")
+            for cut in range(len(parts), 0, -1):
+                candidate = ".".join(parts[:cut])
+                if candidate in modules:
+                    if candidate != name:
+                        targets.add(candidate)
+                    break
+        graph[name] = targets
+    return graph
+
+
+def test_no_import_cycle_anywhere_in_the_house():
+    graph = _import_graph()
+    state: dict[str, int] = {}        # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = path[path.index(nxt):] + [nxt]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+
+
+def test_the_layers_above_the_core_point_down():
+    """core <- hyper_parallel <- app <- benchmarks: the app never imports the benchmarks (gradpool
+    bench runs them as a module), the core neither."""
+    for name, targets in _import_graph().items():
+        if name.endswith("__main__"):
+            continue            # ``python -m gradpool`` is the CLI's entry point
+        if name.startswith(("gradpool", "hyper_parallel")):
+            assert not any(t.startswith("benchmarks") for t in targets), (name, targets)
+        if name.startswith("hyper_parallel"):
+            assert not any(t.startswith("gradpool.app") for t in targets), (name, targets)
+        if not name.startswith(("gradpool.app", "benchmarks")) and name.startswith("gradpool"):
+            assert not any(t.startswith(("gradpool.app", "hyper_parallel")) for t in targets), \
+                (name, targets)

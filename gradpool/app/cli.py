@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -470,59 +471,43 @@ def _plan(args) -> int:
 
 # -- bench -------------------------------------------------------------------------------------
 def _bench(args) -> int:
+    """Run the benchmarks as their own modules (``python -m benchmarks ...``) from the source
+    checkout: the application does not import them, and the wheel does not ship them."""
     if args.nproc < 1:
         raise _UsageError(f"--nproc must be >= 1, got {args.nproc}")
-    if args.suite == "overlap":
-        return _bench_overlap(args)
-    if args.suite == "memory":
-        return _bench_memory(args)
-    try:
-        from benchmarks import report, runner
-    except ImportError as exc:
-        raise _UsageError(f"the benchmarks need the bench extra ({exc.name} is missing): "
-                          "pip install -e '.[bench]'") from None
+    if args.suite in ("overlap", "memory") and args.device != "CPU":
+        where = ("world size 1, a modelled network" if args.suite == "overlap" else
+                 "on Ascend launch benchmarks/memory_worker.py under msrun with --device Ascend "
+                 "(docs/benchmarks/memory.md)")
+        raise _UsageError(f"--suite {args.suite} runs on CPU from this command ({where}); got "
+                          f"--device {args.device}")
+    root = _source_root()
+    quick = ["--quick"] if args.quick else []
+    if args.suite != "copy-reduce":
+        return _run_module(root, [f"benchmarks.{args.suite}", *quick])
+    status = _run_module(root, ["benchmarks", "run", "--device", args.device, "--nproc",
+                                str(args.nproc), "--out", str(Path(args.out).resolve()), *quick])
+    if status != EXIT_OK:
+        return status
+    return _run_module(root, ["benchmarks", "report", str(Path(args.out).resolve())])
 
-    options = runner.RunOptions(device=args.device, nproc=args.nproc, out=Path(args.out),
-                                quick=args.quick)
-    try:
-        runner.run(options)
-    except runner.BenchmarkError as exc:
-        print(f"gradpool bench: FAILED: {exc}", file=sys.stderr)
+
+def _source_root() -> Path:
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "benchmarks" / "__main__.py").is_file():
+        raise _UsageError(f"gradpool bench runs the benchmarks of a source checkout; {root} has "
+                          "no benchmarks/ (install with pip install -e '.[bench]' from a clone)")
+    return root
+
+
+def _run_module(root: Path, module_args: list) -> int:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", *module_args], cwd=root, env=env, check=False)
+    if done.returncode != 0:
+        print(f"gradpool bench: FAILED: python -m {' '.join(module_args)} exited "
+              f"{done.returncode}", file=sys.stderr)
         return EXIT_FAILED
-    written = report.write_report(Path(args.out))
-    for path in [Path(args.out), *written]:
-        print(f"wrote {path}")
-    return EXIT_OK
-
-
-def _bench_overlap(args) -> int:
-    from benchmarks import overlap
-    if args.device != "CPU":
-        raise _UsageError("--suite overlap runs on CPU (world size 1, a modelled network); "
-                          f"got --device {args.device}")
-    return _run_report_suite(args, overlap.run, overlap.OverlapOptions,
-                             overlap.OverlapBenchmarkError, overlap.report_lines)
-
-
-def _bench_memory(args) -> int:
-    from benchmarks import memory
-    if args.device != "CPU":
-        raise _UsageError("--suite memory runs on CPU from this command; on Ascend launch "
-                          "benchmarks/memory_worker.py under msrun with --device Ascend "
-                          f"(docs/benchmarks/memory.md); got --device {args.device}")
-    return _run_report_suite(args, memory.run, memory.MemoryOptions,
-                             memory.MemoryBenchmarkError, memory.report_lines)
-
-
-def _run_report_suite(args, run, options, error, report_lines) -> int:
-    """A suite that runs with its options (``quick()`` under ``--quick``) and prints its report."""
-    try:
-        result = run(options.quick() if args.quick else options())
-    except error as exc:
-        print(f"gradpool bench: FAILED: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    for line in report_lines(result):
-        print(line)
     return EXIT_OK
 
 
