@@ -108,7 +108,7 @@ def _launch_ranks(options: RunOptions) -> dict:
     ``{"reduce": rank 0's reduce rows, "reduce_profile": every rank's phase profile}``, read
     from their rank reports (``_run_as_rank`` publishes them there)."""
     from gradpool.app import rank_report
-    from gradpool.errors import LaunchError
+    from gradpool.app.errors import LaunchError
     from gradpool.app.launch import run_ranks
 
     work = Path(tempfile.mkdtemp(prefix="gradpool-bench-"))

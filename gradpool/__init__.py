@@ -34,14 +34,12 @@ if TYPE_CHECKING:
     from gradpool.device import SUPPORTED_DEVICES, device_target, synchronize
     from gradpool.dtypes import (DTYPE_NAMES, SUPPORTED_DTYPES, check_dtype, dtype_named,
                                  itemsize, nan_fill, overwrite, writable_view)
-    from gradpool.errors import (ArgumentTypeError, CheckpointError, CommError, ConfigError,
-                                 ConfigValueError, ForeignLeaseError, GradientIntegrityError,
-                                 GradPoolError, InvalidArgumentError, InvalidFenceError,
-                                 LaunchError, LayoutMismatchError, LeaseStateError,
-                                 NonFiniteNormError, OverrideSyntaxError, PoolCapacityError,
-                                 StateMismatchError, UnknownConfigKeyError,
-                                 UnsupportedDtypeError, check_bool, check_int,
-                                 check_positive_number)
+    from gradpool.errors import (ArgumentTypeError, CheckpointError, CommError,
+                                 ForeignLeaseError, GradientIntegrityError, GradPoolError,
+                                 InvalidArgumentError, InvalidFenceError, LayoutMismatchError,
+                                 LeaseStateError, NonFiniteNormError, PoolCapacityError,
+                                 StateMismatchError, UnsupportedDtypeError, check_bool,
+                                 check_int, check_positive_number)
     from gradpool.gathered import GatheredParam, GatheredStats
     from gradpool.layout import GradSlot, ReduceScatterLayout
     from gradpool.pack import Written, chunk_rows, flat_view, local_shard, shard_views

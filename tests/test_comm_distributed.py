@@ -8,7 +8,7 @@ import time
 import pytest
 
 import harness
-from gradpool.errors import LaunchError
+from gradpool.app.errors import LaunchError
 from gradpool.app import rank_report
 from gradpool.app.launch import pid_alive, run_ranks
 

@@ -13,8 +13,8 @@ from gradpool.app.config import (
     ModelConfig, Override, RunConfig, dump_yaml, from_dict, known_keys, load_config,
     parse_override)
 from gradpool.runtime import MIB
-from gradpool.errors import (
-    ConfigError, ConfigValueError, OverrideSyntaxError, UnknownConfigKeyError)
+from gradpool.app.errors import (ConfigError, ConfigValueError, OverrideSyntaxError,
+                                 UnknownConfigKeyError)
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 TINY = CONFIGS / "deepseek3_tiny.yaml"

@@ -20,7 +20,8 @@ from gradpool.app import rank_report
 from gradpool.app.cli import EXIT_OK, EXIT_USAGE, main
 from gradpool.app.config import (LaunchConfig, dump_yaml, from_dict, load_config, max_ranks)
 from gradpool.app.launch import NodeSpec, build_node_launch, check_launch, port_free
-from gradpool.errors import ConfigValueError, InvalidArgumentError
+from gradpool.errors import InvalidArgumentError
+from gradpool.app.errors import ConfigValueError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "deepseek3_tiny.yaml"

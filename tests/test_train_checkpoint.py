@@ -24,7 +24,8 @@ from gradpool.app.cli import EXIT_OK, EXIT_USAGE, main
 from gradpool.app.config import load_config
 from gradpool.app.model import TinyDeepSeekV3
 from gradpool.app.train import optimizer_for, train_reference
-from gradpool.errors import ConfigValueError, StateMismatchError
+from gradpool.errors import StateMismatchError
+from gradpool.app.errors import ConfigValueError
 from test_cli import STEP_LINE, TINY, _cli
 
 # Before any kernel runs here: a later in-process `gradpool train` (tests/test_cli.py) sets the

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gradpool.app.config import RunConfig
-from gradpool.errors import CheckpointError, ConfigValueError, StateMismatchError
+from gradpool.errors import CheckpointError, StateMismatchError
+from gradpool.app.errors import ConfigValueError
 
 logger = logging.getLogger(__name__)
 

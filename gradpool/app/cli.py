@@ -28,8 +28,8 @@ from typing import Optional, Sequence
 
 from gradpool.app.config import RunConfig, dump_yaml, load_config
 from gradpool.device import SUPPORTED_DEVICES
-from gradpool.errors import (CheckpointError, ConfigError, InvalidArgumentError,
-                             StateMismatchError)
+from gradpool.errors import CheckpointError, InvalidArgumentError, StateMismatchError
+from gradpool.app.errors import ConfigError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 DEFAULT_REFERENCE_RTOL = 1e-3

@@ -34,9 +34,9 @@ from typing import Any, Hashable, Iterable, Mapping, Optional, Tuple
 
 import yaml
 
-from gradpool import (DTYPE_NAMES, SUPPORTED_DEVICES, ConfigError, ConfigValueError,
-                      GradPoolConfig, InvalidArgumentError, OverrideSyntaxError,
-                      UnknownConfigKeyError)
+from gradpool import DTYPE_NAMES, SUPPORTED_DEVICES, GradPoolConfig, InvalidArgumentError
+from gradpool.app.errors import (ConfigError, ConfigValueError, OverrideSyntaxError,
+                                 UnknownConfigKeyError)
 from gradpool.device import blocks_launches_by_default
 
 # Old key name -> its name now, per section; read with a FutureWarning.

@@ -36,7 +36,8 @@ from typing import Callable, Optional
 from gradpool.app import rank_main, rank_report
 from gradpool.app.train import StepRecord, train_reference
 from gradpool.app.config import RunConfig, dump_yaml
-from gradpool.errors import GradPoolError, LaunchError
+from gradpool.errors import GradPoolError
+from gradpool.app.errors import LaunchError
 
 logger = logging.getLogger(__name__)
 

@@ -67,7 +67,8 @@ from typing import Callable, Mapping, Optional, Sequence
 from gradpool.app import _rank_entry, rank_report
 from gradpool.app.config import DEFAULT_CLUSTER_TIMEOUT_S
 from gradpool.app.rank_report import RankReport
-from gradpool.errors import ConfigValueError, InvalidArgumentError, LaunchError
+from gradpool.errors import InvalidArgumentError
+from gradpool.app.errors import ConfigValueError, LaunchError
 
 logger = logging.getLogger("gradpool.launch")   # also when run as __main__
 

@@ -58,8 +58,9 @@ from gradpool.app.train import (NonFiniteLossError, build_sharded_model, optimiz
 from gradpool.comm import init_distributed
 from gradpool.app.config import LaunchConfig, RunConfig, load_config
 from gradpool.device import block_launches, launches_blocking
-from gradpool.errors import (CheckpointError, ConfigError, GradientIntegrityError,
-                             GradPoolError, InvalidArgumentError, StateMismatchError)
+from gradpool.errors import (CheckpointError, GradientIntegrityError, GradPoolError,
+                             InvalidArgumentError, StateMismatchError)
+from gradpool.app.errors import ConfigError
 from gradpool.runtime import runtime_for
 
 logger = logging.getLogger(__name__)
