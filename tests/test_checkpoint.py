@@ -80,11 +80,16 @@ CFG = from_dict({}, ["model.num_experts=3"])
 
 
 def _trained(seed: int, optimizer: str = "adam", steps: int = 2):
-    cfg = from_dict({}, [f"train.optimizer={optimizer}", "model.num_experts=3"])
+    cfg = from_dict({}, [f"train.optimizer={'sgd' if optimizer == 'sgd' else 'adam'}",
+                         "model.num_experts=3"])
     model = TinyDeepSeekV3(cfg.model, seed=seed)
     params = model.trainable_params()
-    opt = nn.SGD(params, learning_rate=0.1, momentum=0.9) if optimizer == "sgd" \
-        else optimizer_for(cfg, params)
+    if optimizer == "sgd":
+        opt = nn.SGD(params, learning_rate=0.1, momentum=0.9)
+    elif optimizer == "adamw":
+        opt = nn.AdamWeightDecay(params, learning_rate=1e-3, weight_decay=0.01)
+    else:
+        opt = optimizer_for(cfg, params)
     grad_fn = ms.value_and_grad(lambda t: next_token_loss(model, t), None, params)
     for step in range(steps):
         _, grads = grad_fn(_batch(cfg, step, 0, 0, 1))
@@ -102,7 +107,7 @@ def _assert_same(actual: dict, expected: dict) -> None:
         np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+@pytest.mark.parametrize("optimizer", ["adam", "sgd", "adamw"])
 def test_checkpoint_round_trip_of_model_and_optimizer_states(tmp_path, optimizer):
     model, opt = _trained(seed=3, optimizer=optimizer)
     saved = checkpoint.save(tmp_path / "ck", model, opt, step=2, extra={"lr": 0.1})
