@@ -41,7 +41,7 @@ if TYPE_CHECKING:
                                  StateMismatchError, UnsupportedDtypeError, check_bool,
                                  check_int, check_positive_number)
     from gradpool.gathered import GatheredParam, GatheredStats
-    from gradpool.layout import GradSlot, ReduceScatterLayout
+    from gradpool.layout import GradSlot, ReduceScatterLayout, fusion_groups
     from gradpool.pack import Written, chunk_rows, flat_view, local_shard, shard_views
     from gradpool.pack import accumulate as accumulate_bucket
     from gradpool.pack import pack as pack_bucket

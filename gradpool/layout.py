@@ -188,3 +188,25 @@ class ReduceScatterLayout:
         if len(self.slots) != 1:
             return False
         return self.slots[0].shard_dim == 0 and self.padding_numel == 0
+
+
+def fusion_groups(items: Sequence[tuple[object, int]], cap_bytes: float,
+                  fused: bool = True) -> list[tuple[object, list[int]]]:
+    """Which gradients share a bucket: ``items`` are ``(reduce dtype, bytes)`` in gradient order;
+    the result is ``(dtype, indices)`` per bucket, in the order the buckets open. Not ``fused``:
+    one bucket each. Fused: per dtype, gradients join the dtype's open bucket until the next one
+    would pass ``cap_bytes`` (a gradient larger than the cap gets a bucket of its own). The
+    reducer and the memory plan both group with this."""
+    if not fused:
+        return [(dtype, [i]) for i, (dtype, _) in enumerate(items)]
+    groups: list[tuple[object, list[int]]] = []
+    open_group: dict = {}                  # dtype -> [index into groups, bytes so far]
+    for i, (dtype, nbytes) in enumerate(items):
+        current = open_group.get(dtype)
+        if current is None or (current[1] and current[1] + nbytes > cap_bytes):
+            current = [len(groups), 0]
+            groups.append((dtype, []))
+            open_group[dtype] = current
+        groups[current[0]][1].append(i)
+        current[1] += nbytes
+    return groups

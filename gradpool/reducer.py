@@ -34,7 +34,7 @@ from gradpool.device import synchronize
 from gradpool.dtypes import check_dtype, itemsize
 from gradpool.errors import (InvalidArgumentError, LayoutMismatchError, LeaseStateError,
                              check_bool, check_positive_number)
-from gradpool.layout import ReduceScatterLayout
+from gradpool.layout import ReduceScatterLayout, fusion_groups
 from gradpool.pool import BucketPool, Lease, as_fence, fence_done
 
 logger = logging.getLogger(__name__)
@@ -229,22 +229,9 @@ class GradReducer:
 
     def _groups(self, grads: Sequence[ms.Tensor]) -> list[tuple[Any, list[int]]]:
         """Gradient indices per bucket: one each, or fused per reduce dtype up to the cap."""
-        if not self.config.comm_fusion:
-            return [(self.reduce_dtype_for(g), [i]) for i, g in enumerate(grads)]
-        cap = self.config.bucket_cap_mib * 2 ** 20
-        groups: list[tuple[Any, list[int]]] = []
-        open_group: dict = {}
-        for i, grad in enumerate(grads):
-            dtype = self.reduce_dtype_for(grad)
-            nbytes = grad.numel() * itemsize(dtype)
-            current = open_group.get(dtype)
-            if current is None or (current[1] and current[1] + nbytes > cap):
-                current = [len(groups), 0]
-                groups.append((dtype, []))
-                open_group[dtype] = current
-            groups[current[0]][1].append(i)
-            current[1] += nbytes
-        return groups
+        dtypes = [self.reduce_dtype_for(g) for g in grads]
+        return fusion_groups([(d, g.numel() * itemsize(d)) for d, g in zip(dtypes, grads)],
+                             self.config.bucket_cap_mib * 2 ** 20, self.config.comm_fusion)
 
     def _plan(self, grads: Sequence[ms.Tensor], shard_dims: Optional[Sequence[int]],
               world_size: Optional[int]) -> list[tuple[Any, list[int], ReduceScatterLayout]]:

@@ -101,3 +101,21 @@ def test_layout_is_frozen():
     layout = ReduceScatterLayout.build([(4,)], 2)
     with pytest.raises(AttributeError):
         layout.row_numel = 3
+
+
+@given(st.lists(st.tuples(st.sampled_from(["f32", "bf16"]), st.integers(1, 64)), max_size=30),
+       st.integers(1, 128))
+def test_fusion_groups_keep_order_per_dtype_and_stay_under_the_cap(items, cap):
+    from gradpool.layout import fusion_groups
+    groups = fusion_groups(items, cap)
+    assert sorted(i for _, g in groups for i in g) == list(range(len(items)))
+    for dtype, indices in groups:
+        assert indices == sorted(indices) and all(items[i][0] == dtype for i in indices)
+        total = sum(items[i][1] for i in indices)
+        assert total <= cap or len(indices) == 1           # only a lone oversized gradient
+    # a bucket closes only when the next gradient of its dtype would pass the cap
+    for dtype in {d for d, _ in items}:
+        mine = [g for d, g in groups if d == dtype]
+        for closed, following in zip(mine, mine[1:]):
+            assert sum(items[i][1] for i in closed) + items[following[0]][1] > cap
+    assert fusion_groups(items, cap, fused=False) == [(d, [i]) for i, (d, _) in enumerate(items)]

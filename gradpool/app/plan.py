@@ -56,7 +56,7 @@ from typing import Optional
 from gradpool.app.config import RunConfig
 from gradpool.app.model import ParamSpec, parameter_specs
 from gradpool.errors import InvalidArgumentError, check_positive_number
-from gradpool.layout import ReduceScatterLayout, round_up
+from gradpool.layout import ReduceScatterLayout, fusion_groups, round_up
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 HBM_910B_GBPS = 1600.0          # GB/s, the figure commonly published for the 910B's HBM2e
@@ -211,19 +211,10 @@ def _dtype(name: Optional[str], default: str) -> str:
 
 
 def _groups(specs: list, nbytes_each: int, cap_bytes: float, fused: bool) -> list:
-    """Parameters per bucket: the reducer's rule (one per gradient, or fused up to the cap)."""
-    if not fused:
-        return [[s] for s in specs]
-    groups: list = []
-    size = 0
-    for spec in specs:
-        nbytes = spec.numel * nbytes_each
-        if not groups or (size and size + nbytes > cap_bytes):
-            groups.append([])
-            size = 0
-        groups[-1].append(spec)
-        size += nbytes
-    return groups
+    """Parameters per bucket, by the reducer's own rule (:func:`gradpool.layout.fusion_groups`; one
+    reduce dtype per call here)."""
+    groups = fusion_groups([(None, s.numel * nbytes_each) for s in specs], cap_bytes, fused)
+    return [[specs[i] for i in indices] for _, indices in groups]
 
 
 def _mesh(cfg: RunConfig) -> tuple[int, int]:
