@@ -18,3 +18,9 @@ def _launch_stays_asynchronous():
         assert not launches_blocking(), \
             "this test left the process launching ops blocking; run it with " \
             "launch.launch_blocking=false or in a subprocess"
+
+
+@pytest.fixture(scope="class")
+def suite_results(request, tmp_path_factory):
+    """One msrun launch of a :class:`suite_tests.SuiteTests` class's cases script."""
+    return request.cls.launch(tmp_path_factory)

@@ -8,34 +8,31 @@ import time
 import pytest
 
 import harness
+from suite_tests import SuiteTests
 from gradpool.app.errors import LaunchError
 from gradpool.app import rank_report
 from gradpool.app.launch import pid_alive, run_ranks
 
 DIST_DIR = harness.DIST_DIR
 NPROC = 2
-SUITE, comm_results = harness.suite_fixture("comm_cases.py", "comm_results", nproc=NPROC,
-                                            timeout=300)
 
 pytestmark = pytest.mark.distributed
 
 
-def test_launch_reports_every_rank_exit_code(comm_results):
-    launch = comm_results.launch
-    assert launch.exit_codes == (0,) * NPROC
-    assert launch.ok and launch.returncode == 0
-    # _rank_entry recorded each rank's start and exit in its report, under msrun's worker pid
-    for rank, result in enumerate(launch.ranks):
-        report = result.report
-        assert (report.rank, report.world_size, report.role) == (rank, NPROC, "MS_WORKER")
-        assert (report.status, report.exit_code) == (rank_report.EXITED, 0)
-        assert report.pid == result.pid and report.results["suite"] == SUITE.name
-    assert launch.ranks[0].pid != launch.ranks[1].pid
+class TestCommunicatorsOn2Ranks(SuiteTests):
+    SCRIPT, NPROC, TIMEOUT, BLOCKING = "comm_cases.py", NPROC, 300, None
 
-
-@pytest.mark.parametrize("name", SUITE.names)
-def test_case(comm_results, name):
-    comm_results.verify(name)
+    def test_launch_reports_every_rank_exit_code(self, suite_results):
+        launch = suite_results.launch
+        assert launch.exit_codes == (0,) * NPROC
+        assert launch.ok and launch.returncode == 0
+        # _rank_entry recorded each rank's start and exit in its report, under msrun's worker pid
+        for rank, result in enumerate(launch.ranks):
+            report = result.report
+            assert (report.rank, report.world_size, report.role) == (rank, NPROC, "MS_WORKER")
+            assert (report.status, report.exit_code) == (rank_report.EXITED, 0)
+            assert report.pid == result.pid and report.results["suite"] == self.suite().name
+        assert launch.ranks[0].pid != launch.ranks[1].pid
 
 
 def test_failing_rank_raises_launch_error_within_seconds(tmp_path):

@@ -18,10 +18,10 @@ Rank side (``tests/distributed/<suite>_cases.py``)::
     if __name__ == "__main__":
         suite.main()                    # argv: OUT_DIR [CASE ...]
 
-Pytest side::
+Pytest side (``tests/distributed/suite_tests.py`` does this for a test class)::
 
     suite = harness.load_suite(CASES_SCRIPT)                 # at collection: suite.names
-    results = harness.launch_suite(CASES_SCRIPT, suite.name, tmp_dir)   # module-scoped fixture
+    results = harness.launch_suite(CASES_SCRIPT, suite.name, tmp_dir)   # class-scoped fixture
     results.verify("some_case")                              # one test per name
 
 A case returns a dict of named checks (``allclose``, ``equal``, ``raises``), computed with NumPy
@@ -237,22 +237,6 @@ def launch_suite(script, suite: str, out_dir, nproc: int = 2,
 
 
 DIST_DIR = Path(__file__).resolve().parent
-
-
-def suite_fixture(script_name: str, fixture_name: str, nproc: int, timeout: float):
-    """For a pytest module of one cases script: ``(suite, fixture)``, the suite loaded now (its
-    case names parametrize the tests) and a module-scoped fixture ``fixture_name`` that launches
-    it once on ``nproc`` msrun ranks. Bind the fixture to a module global of that name."""
-    import pytest
-    script = DIST_DIR / script_name
-    suite = load_suite(script)
-
-    @pytest.fixture(scope="module", name=fixture_name)
-    def results(tmp_path_factory):
-        return launch_suite(script, suite.name, tmp_path_factory.mktemp(suite.name), nproc=nproc,
-                            timeout=timeout)
-
-    return suite, results
 
 
 def load_suite(script) -> Suite:
