@@ -116,7 +116,7 @@ def predicted_bytes(options: MemoryOptions, world: int, reshard: bool) -> int:
                          "fully_shard.apply_grad_on_fp32_main_grad=false",
                          "fully_shard.reduce_dtype=float32", "train.optimizer=sgd"])
     plan = plan_memory(cfg, specs=stack_specs(options.layers, options.hidden))
-    return plan.context["as_implemented_bytes"]
+    return plan.context.as_implemented_bytes
 
 
 def _records(out_dir: Path, world: int, name: str) -> list:

@@ -85,7 +85,7 @@ def test_two_nodes_on_one_host_train_and_node_0_reports_both_ranks(tmp_path):
         assert [(s, n, r) for s, n, r in lines] == [("1", "2", str(rank)), ("2", "2", str(rank))]
 
     # the plan at world 2 is what each rank's pool measured
-    planned = plan_memory(load_config(TINY, ["launch.ranks=2"])).pool["high_water_bytes"] / 1024
+    planned = plan_memory(load_config(TINY, ["launch.ranks=2"])).pool.high_water_bytes / 1024
     for rank in ranks:
         assert abs(_kib(rank[3]) - planned) <= 0.03 * planned, (rank, planned)
 

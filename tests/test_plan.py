@@ -79,12 +79,12 @@ def test_plan_matches_the_pools_measured_high_water_on_the_tiny_model(tmp_path, 
     assert outcome.ok, outcome.describe_error()
     measured = outcome.pool
     plan = plan_memory(cfg)
-    planned = plan.pool["high_water_bytes"]
+    planned = plan.pool.high_water_bytes
     assert abs(planned - measured["high_water_bytes"]) <= TOLERANCE * measured["high_water_bytes"], \
         (planned, measured)
-    assert plan.copy["bytes_copied_per_step"] * 2 == measured["bytes_copied"]
-    assert plan.pool["new_allocations_step1"] == measured["new_allocations"]
-    assert plan.pool["new_allocations_after_step1"] == 0
+    assert plan.copy.bytes_copied_per_step * 2 == measured["bytes_copied"]
+    assert plan.pool.new_allocations_step1 == measured["new_allocations"]
+    assert plan.pool.new_allocations_after_step1 == 0
 
 
 def test_the_671b_plan_needs_no_model_and_no_device():
@@ -96,40 +96,40 @@ def test_the_671b_plan_needs_no_model_and_no_device():
     layer = 4 * m.hidden_size ** 2 + 2 * m.hidden_size + m.hidden_size * m.num_experts \
         + 3 * m.num_experts * m.hidden_size * m.expert_hidden
     total = m.num_layers * layer + 2 * m.vocab_size * m.hidden_size + m.hidden_size
-    assert plan.params["total"] == total and 700e9 < total < 705e9
-    assert plan.mesh == {"replicate": 4, "shard": 512, "ranks": 2048}
-    shard = plan.params["shard_elements"]
+    assert plan.params.total == total and 700e9 < total < 705e9
+    assert (plan.mesh.replicate, plan.mesh.shard, plan.mesh.ranks) == (4, 512, 2048)
+    shard = plan.params.shard_elements
     assert total / 512 <= shard < total / 512 * 1.01          # padded, never less than a share
-    assert plan.params["main_grad_bytes"] == plan.params["shard_bytes"] == 4 * shard
+    assert plan.params.main_grad_bytes == plan.params.shard_bytes == 4 * shard
     pool = plan.pool
-    assert pool["new_allocations_after_step1"] == 0
+    assert pool.new_allocations_after_step1 == 0
     # one bucket per gradient: at most the in-flight bound of the largest (embedding, head)
     assert not cfg.fully_shard.comm_fusion
-    assert pool["input_peak_bytes"] <= pool["max_buckets_in_flight"] * pool["largest_input_bytes"]
+    assert pool.input_peak_bytes <= pool.max_buckets_in_flight * pool.largest_input_bytes
     # main_grad mode: each output bucket goes back once added into main_grad
-    assert pool["output_bytes"] == 0 and pool["high_water_bytes"] >= shard * 4
+    assert pool.output_bytes == 0 and pool.high_water_bytes >= shard * 4
     no_main_grad = plan_memory(load_config(BIG, ["fully_shard.apply_grad_on_fp32_main_grad=false"]))
-    assert no_main_grad.pool["high_water_bytes"] >= no_main_grad.pool["output_bytes"] >= shard * 2
-    assert plan.megatron["buffer_bytes"] >= 4 * total         # every gradient, float32
-    assert plan.copy["estimate"] and plan.copy["hbm_gbps"] == HBM_910B_GBPS
-    assert plan.copy["copy_efficiency"] == COPY_EFFICIENCY
-    assert math.isclose(plan.copy["estimated_seconds"],
-                        (plan.copy["bytes_copied_per_step"] + plan.copy["bytes_read_per_step"])
+    assert no_main_grad.pool.high_water_bytes >= no_main_grad.pool.output_bytes >= shard * 2
+    assert plan.megatron.buffer_bytes >= 4 * total         # every gradient, float32
+    assert plan.copy.estimate and plan.copy.hbm_gbps == HBM_910B_GBPS
+    assert plan.copy.copy_efficiency == COPY_EFFICIENCY
+    assert math.isclose(plan.copy.estimated_seconds,
+                        (plan.copy.bytes_copied_per_step + plan.copy.bytes_read_per_step)
                         / (HBM_910B_GBPS * 1e9 * COPY_EFFICIENCY))
-    assert plan.context["device_memory_bytes"] == 64 * 2 ** 30
+    assert plan.context.device_memory_bytes == 64 * 2 ** 30
     json.dumps(plan.to_dict())
     # fused: a layer's all-gather goes through one pool bucket of its full float32 size
     fused = plan_memory(load_config(BIG, ["fully_shard.comm_fusion=true"]))
-    assert fused.pool["high_water_bytes"] > 4 * plan.context["largest_unit_gathered_bytes"] / 2
+    assert fused.pool.high_water_bytes > 4 * plan.context.largest_unit_gathered_bytes / 2
 
 
 def test_ascend_fences_hold_inputs_until_waited_cpu_ones_do_not():
     ascend = plan_memory(load_config(ASCEND_2)).pool
     cpu = plan_memory(load_config(ASCEND_2, ["launch.device=CPU", "launch.devices=null"])).pool
-    assert ascend["fences"].startswith("until waited") and cpu["fences"].startswith("complete")
-    assert cpu["input_peak_bytes"] == cpu["largest_input_bytes"]
-    assert cpu["largest_input_bytes"] < ascend["input_peak_bytes"] \
-        <= 2 * ascend["largest_input_bytes"]
+    assert ascend.fences.startswith("until waited") and cpu.fences.startswith("complete")
+    assert cpu.input_peak_bytes == cpu.largest_input_bytes
+    assert cpu.largest_input_bytes < ascend.input_peak_bytes \
+        <= 2 * ascend.largest_input_bytes
 
 
 def test_plan_command_prints_a_table_and_json(capsys):

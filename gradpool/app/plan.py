@@ -393,18 +393,114 @@ class _StepReplay:
 
 
 # -- the plan ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanConfig:
+    ranks: int
+    nodes: int
+    device: str
+    comm_fusion: bool
+    bucket_cap_mib: float
+    micro_steps: int
+    reshard_after_forward: bool
+
+
+@dataclass(frozen=True)
+class PlanMesh:
+    replicate: int
+    shard: int
+    ranks: int
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    total: int
+    shard_elements: int
+    shard_bytes: int                      # the local shards are float32
+    shard_padding_elements_rank0: int
+    shard_padding_elements_last: int
+    main_grad_bytes: int
+    optimizer_state_bytes: int
+    optimizer: str
+    compute_dtype: str
+    reduce_dtype: str
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    high_water_bytes: int
+    buckets: int
+    new_allocations_step1: int
+    new_allocations_after_step1: int
+    reduce_buckets_per_step: int
+    output_bytes: int
+    output_data_bytes: int
+    input_peak_bytes: int
+    largest_input_bytes: int
+    max_buckets_in_flight: Optional[int]
+    padding_bytes_per_step: int
+    alignment_bytes: int
+    stalls_per_step: int
+    fences: str
+
+
+@dataclass(frozen=True)
+class UpstreamPlan:
+    """Upstream's reduce path: a fresh input and output per reduce, every step."""
+
+    transient_peak_bytes: int
+    allocations_per_step: int
+    bytes_allocated_per_step: int
+    bytes_copied_per_step: int
+
+
+@dataclass(frozen=True)
+class MegatronPlan:
+    """A Megatron-style persistent buffer of every gradient (no copy)."""
+
+    buffer_bytes: int
+    bytes_copied_per_step: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    bytes_copied_per_step: int
+    bytes_read_per_step: int
+    estimated_seconds: float
+    hbm_gbps: float
+    copy_efficiency: float
+    estimate: bool
+
+
+@dataclass(frozen=True)
+class ContextPlan:
+    """What a rank holds besides the reduce path."""
+
+    largest_unit: str
+    largest_unit_gathered_bytes: int
+    largest_unit_grad_bytes: int
+    all_gathered_bytes: int
+    hccl_buffer_bytes: int
+    hccl_communicators: int
+    device_memory_bytes: Optional[int]
+    state_and_pool_bytes: int
+    with_one_unit_bytes: int
+    gathered_at_once_bytes: int
+    as_implemented_bytes: int
+
+
 @dataclass
 class MemoryPlan:
     """Per-rank bytes (every rank of the mesh holds the same padded sizes)."""
 
-    config: dict
-    mesh: dict
-    params: dict
-    pool: dict
-    upstream: dict
-    megatron: dict
-    copy: dict
-    context: dict
+    config: PlanConfig
+    mesh: PlanMesh
+    params: ParamPlan
+    pool: PoolPlan
+    upstream: UpstreamPlan
+    megatron: MegatronPlan
+    copy: CopyPlan
+    context: ContextPlan
     notes: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -434,96 +530,91 @@ def plan_memory(cfg: RunConfig, options: PlanOptions = PlanOptions(),
              for rank in (0, geo.shards - 1)]
     use_main_grad = cfg.fully_shard.apply_grad_on_fp32_main_grad
     optimizer = 2 * shard_numel * 4 if cfg.train.optimizer == "adam" else 0
-    params = {
-        "total": total_params,
-        "shard_elements": shard_numel,
-        "shard_bytes": shard_numel * 4,                    # the local shards are float32
-        "shard_padding_elements_rank0": shard_numel - valid[0],
-        "shard_padding_elements_last": shard_numel - valid[1],
-        "main_grad_bytes": shard_numel * 4 if use_main_grad else 0,
-        "optimizer_state_bytes": optimizer,
-        "optimizer": cfg.train.optimizer,
-        "compute_dtype": geo.compute_dtype,
-        "reduce_dtype": geo.reduce_dtype,
-    }
+    params = ParamPlan(
+        total=total_params,
+        shard_elements=shard_numel,
+        shard_bytes=shard_numel * 4,                    # the local shards are float32
+        shard_padding_elements_rank0=shard_numel - valid[0],
+        shard_padding_elements_last=shard_numel - valid[1],
+        main_grad_bytes=shard_numel * 4 if use_main_grad else 0,
+        optimizer_state_bytes=optimizer,
+        optimizer=cfg.train.optimizer,
+        compute_dtype=geo.compute_dtype,
+        reduce_dtype=geo.reduce_dtype,
+    )
     inputs = [r.layout.total_numel * reduce_size for r in reduces]
     outputs = [round_up(r.layout.row_numel, pool.align(geo.reduce_dtype)) * reduce_size
                for r in reduces]
-    pool_plan = {
-        "high_water_bytes": pool.high_water,
-        "buckets": len(pool.buckets),
-        "new_allocations_step1": allocations_first,
-        "new_allocations_after_step1": pool.new_allocations - allocations_first,
-        "reduce_buckets_per_step": len(reduces),
-        "output_bytes": steady.output_bytes,
-        "output_data_bytes": sum(outputs),
-        "input_peak_bytes": steady.input_peak,
-        "largest_input_bytes": max(inputs),
-        "max_buckets_in_flight": cfg.gradpool.max_buckets_in_flight,
-        "padding_bytes_per_step": steady.padding_bytes,
-        "alignment_bytes": cfg.gradpool.alignment_bytes,
-        "stalls_per_step": pool.stalls // 2,
-        "fences": "until waited (Ascend)" if cfg.launch.device == "Ascend"
+    pool_plan = PoolPlan(
+        high_water_bytes=pool.high_water,
+        buckets=len(pool.buckets),
+        new_allocations_step1=allocations_first,
+        new_allocations_after_step1=pool.new_allocations - allocations_first,
+        reduce_buckets_per_step=len(reduces),
+        output_bytes=steady.output_bytes,
+        output_data_bytes=sum(outputs),
+        input_peak_bytes=steady.input_peak,
+        largest_input_bytes=max(inputs),
+        max_buckets_in_flight=cfg.gradpool.max_buckets_in_flight,
+        padding_bytes_per_step=steady.padding_bytes,
+        alignment_bytes=cfg.gradpool.alignment_bytes,
+        stalls_per_step=pool.stalls // 2,
+        fences="until waited (Ascend)" if cfg.launch.device == "Ascend"
                   else "complete at launch (CPU)",
-    }
+    )
     unit_sums = [sum(r.layout.total_numel * reduce_size
                      + round_up(r.layout.row_numel, pool.align(geo.reduce_dtype)) * reduce_size
                      for r in unit.reduces) for unit in geo.units]
-    upstream = {
-        "transient_peak_bytes": max(unit_sums),
-        "allocations_per_step": 2 * len(reduces) * (cfg.train.micro_steps if replay.partials
+    upstream = UpstreamPlan(
+        transient_peak_bytes=max(unit_sums),
+        allocations_per_step=2 * len(reduces) * (cfg.train.micro_steps if replay.partials
                                                      else 1),
-        "bytes_allocated_per_step": sum(inputs) + sum(outputs),
-        "bytes_copied_per_step": steady.bytes_copied,
-    }
+        bytes_allocated_per_step=sum(inputs) + sum(outputs),
+        bytes_copied_per_step=steady.bytes_copied,
+    )
     main_grad_size = 4 if use_main_grad else reduce_size
     lcm = math.lcm(geo.shards, MEGATRON_BUCKET_ALIGN)
     buffer = sum(round_up(sum(round_up(s.numel, MEGATRON_PARAM_ALIGN) for s in unit.specs), lcm)
                  for unit in geo.units) * main_grad_size
-    megatron = {"buffer_bytes": buffer, "bytes_copied_per_step": 0,
-                "dtype": "float32" if use_main_grad else geo.reduce_dtype}
+    megatron = MegatronPlan(buffer_bytes=buffer, bytes_copied_per_step=0,
+                            dtype="float32" if use_main_grad else geo.reduce_dtype)
     bandwidth = options.hbm_gbps * 1e9 * options.copy_efficiency
     moved = steady.bytes_copied + steady.bytes_read
-    copy = {
-        "bytes_copied_per_step": steady.bytes_copied,
-        "bytes_read_per_step": steady.bytes_read,
-        "estimated_seconds": moved / bandwidth,
-        "hbm_gbps": options.hbm_gbps,
-        "copy_efficiency": options.copy_efficiency,
-        "estimate": True,
-    }
+    copy = CopyPlan(
+        bytes_copied_per_step=steady.bytes_copied,
+        bytes_read_per_step=steady.bytes_read,
+        estimated_seconds=moved / bandwidth,
+        hbm_gbps=options.hbm_gbps,
+        copy_efficiency=options.copy_efficiency,
+        estimate=True,
+    )
     largest = max(geo.units, key=lambda u: sum(s.numel for s in u.specs))
     unit_numel = sum(s.numel for s in largest.specs)
     communicators = 1 if geo.replicas == 1 and geo.shards == cfg.launch.ranks else (
         1 + (geo.shards > 1) + (geo.replicas > 1))
     buffsize = cfg.launch.hccl_buffsize_mib or HCCL_DEFAULT_BUFFSIZE_MIB
-    context = {
-        "largest_unit": largest.name,
-        "largest_unit_gathered_bytes": unit_numel * ITEMSIZE[geo.compute_dtype],
-        "largest_unit_grad_bytes": unit_numel * ITEMSIZE[geo.compute_dtype],
-        "all_gathered_bytes": total_params * ITEMSIZE[geo.compute_dtype],
-        "hccl_buffer_bytes": communicators * 2 * buffsize * MIB
-        if cfg.launch.device == "Ascend" else 0,
-        "hccl_communicators": communicators,
-    }
+    gathered = unit_numel * ITEMSIZE[geo.compute_dtype]
+    hccl = communicators * 2 * buffsize * MIB if cfg.launch.device == "Ascend" else 0
     memory = options.device_memory_gib or DEVICE_MEMORY_GIB.get(cfg.launch.device)
-    context["device_memory_bytes"] = int(memory * GIB) if memory else None
-    state = params["shard_bytes"] + params["main_grad_bytes"] + optimizer
-    context["state_and_pool_bytes"] = state + pool.high_water + context["hccl_buffer_bytes"]
-    context["with_one_unit_bytes"] = context["state_and_pool_bytes"] + \
-        context["largest_unit_gathered_bytes"] + context["largest_unit_grad_bytes"]
-    context["gathered_at_once_bytes"] = _gathered_at_once(cfg, geo)
-    context["as_implemented_bytes"] = context["state_and_pool_bytes"] + \
-        context["gathered_at_once_bytes"] + context["largest_unit_grad_bytes"]
+    state_and_pool = params.shard_bytes + params.main_grad_bytes + optimizer + pool.high_water \
+        + hccl
+    at_once = _gathered_at_once(cfg, geo)
+    context = ContextPlan(
+        largest_unit=largest.name, largest_unit_gathered_bytes=gathered,
+        largest_unit_grad_bytes=gathered,
+        all_gathered_bytes=total_params * ITEMSIZE[geo.compute_dtype],
+        hccl_buffer_bytes=hccl, hccl_communicators=communicators,
+        device_memory_bytes=int(memory * GIB) if memory else None,
+        state_and_pool_bytes=state_and_pool, with_one_unit_bytes=state_and_pool + 2 * gathered,
+        gathered_at_once_bytes=at_once, as_implemented_bytes=state_and_pool + at_once + gathered)
     notes = _notes(cfg, pool_plan)
     return MemoryPlan(
-        config={"ranks": cfg.launch.ranks, "nodes": cfg.launch.nodes,
-                "device": cfg.launch.device, "comm_fusion": cfg.fully_shard.comm_fusion,
-                "bucket_cap_mib": cfg.gradpool.bucket_cap_mib,
-                "micro_steps": cfg.train.micro_steps,
-                "reshard_after_forward": cfg.fully_shard.reshard_after_forward},
-        mesh={"replicate": geo.replicas, "shard": geo.shards,
-              "ranks": geo.replicas * geo.shards},
+        config=PlanConfig(ranks=cfg.launch.ranks, nodes=cfg.launch.nodes,
+                          device=cfg.launch.device, comm_fusion=cfg.fully_shard.comm_fusion,
+                          bucket_cap_mib=cfg.gradpool.bucket_cap_mib,
+                          micro_steps=cfg.train.micro_steps,
+                          reshard_after_forward=cfg.fully_shard.reshard_after_forward),
+        mesh=PlanMesh(replicate=geo.replicas, shard=geo.shards, ranks=geo.replicas * geo.shards),
         params=params, pool=pool_plan, upstream=upstream, megatron=megatron, copy=copy,
         context=context, notes=notes)
 
@@ -543,11 +634,11 @@ def _gathered_at_once(cfg: RunConfig, geo: _Geometry) -> int:
 def _notes(cfg: RunConfig, pool_plan: dict) -> list:
     notes = []
     cap = cfg.gradpool.max_cached_bytes
-    if cap is not None and pool_plan["high_water_bytes"] > cap:
+    if cap is not None and pool_plan.high_water_bytes > cap:
         notes.append(f"the planned high-water exceeds gradpool.max_cached_mib = "
                      f"{cfg.gradpool.max_cached_mib:g}: acquire would wait for in-flight buckets, "
                      "evict idle ones or refuse; this plan does not model the cap")
-    if pool_plan["new_allocations_after_step1"]:
+    if pool_plan.new_allocations_after_step1:
         notes.append("the pool still allocates after step 1 in this replay: buckets grow until "
                      "the largest request of each role has been seen")
     return notes
@@ -568,72 +659,72 @@ def format_plan(plan: MemoryPlan, source: str = "") -> str:
                                    plan.copy, plan.context)
     mesh = plan.mesh
     lines = [f"gradpool plan{': ' + source if source else ''}",
-             f"mesh: {mesh['replicate']} x {mesh['shard']} (replicate x shard) = {mesh['ranks']} "
-             f"ranks on {plan.config['nodes']} node(s), {plan.config['device']}; "
-             f"compute {p['compute_dtype']}, reduce {p['reduce_dtype']}; every rank holds the "
+             f"mesh: {mesh.replicate} x {mesh.shard} (replicate x shard) = {mesh.ranks} "
+             f"ranks on {plan.config.nodes} node(s), {plan.config.device}; "
+             f"compute {p.compute_dtype}, reduce {p.reduce_dtype}; every rank holds the "
              "same padded sizes",
-             f"parameters: {p['total']:,}"
-             + (f" ({p['total'] / 1e9:.1f} B)" if p["total"] >= 1e8 else "") + "; per rank "
-             f"{p['shard_elements']:,} shard elements (padding: rank 0 "
-             f"{p['shard_padding_elements_rank0']:,}, last shard rank "
-             f"{p['shard_padding_elements_last']:,})", ""]
+             f"parameters: {p.total:,}"
+             + (f" ({p.total / 1e9:.1f} B)" if p.total >= 1e8 else "") + "; per rank "
+             f"{p.shard_elements:,} shard elements (padding: rank 0 "
+             f"{p.shard_padding_elements_rank0:,}, last shard rank "
+             f"{p.shard_padding_elements_last:,})", ""]
     rows = [
-        ("parameter shards (float32)", p["shard_bytes"], "persistent"),
-        ("main_grad (float32)", p["main_grad_bytes"], "persistent"),
-        (f"optimizer state ({p['optimizer']})", p["optimizer_state_bytes"], "persistent"),
-        ("pool: high-water (replay of 2 steps)", pool["high_water_bytes"],
-         f"{pool['buckets']} buckets, reserved once; "
-         f"{pool['new_allocations_after_step1']} new after step 1"),
-        ("  buckets holding reduced shards", pool["output_bytes"],
-         f"{pool['reduce_buckets_per_step']} shards of {human(pool['output_data_bytes'])} "
-         f"{p['reduce_dtype']}, " + (
+        ("parameter shards (float32)", p.shard_bytes, "persistent"),
+        ("main_grad (float32)", p.main_grad_bytes, "persistent"),
+        (f"optimizer state ({p.optimizer})", p.optimizer_state_bytes, "persistent"),
+        ("pool: high-water (replay of 2 steps)", pool.high_water_bytes,
+         f"{pool.buckets} buckets, reserved once; "
+         f"{pool.new_allocations_after_step1} new after step 1"),
+        ("  buckets holding reduced shards", pool.output_bytes,
+         f"{pool.reduce_buckets_per_step} shards of {human(pool.output_data_bytes)} "
+         f"{p.reduce_dtype}, " + (
              "given back once added into main_grad: none held after backward"
-             if p["main_grad_bytes"] else
+             if p.main_grad_bytes else
              "until the next zero_grad (a recycled bucket may be larger)")),
-        ("  input buckets in flight, at most", pool["input_peak_bytes"],
-         f"bound {pool['max_buckets_in_flight']}; largest input "
-         f"{human(pool['largest_input_bytes'])}; fences {pool['fences']}"),
-        ("  padding + alignment written per step", pool["padding_bytes_per_step"],
-         f"alignment {pool['alignment_bytes']} B"),
-        ("upstream per-step allocation: peak", up["transient_peak_bytes"],
-         f"{up['allocations_per_step']} allocations, {human(up['bytes_allocated_per_step'])} "
+        ("  input buckets in flight, at most", pool.input_peak_bytes,
+         f"bound {pool.max_buckets_in_flight}; largest input "
+         f"{human(pool.largest_input_bytes)}; fences {pool.fences}"),
+        ("  padding + alignment written per step", pool.padding_bytes_per_step,
+         f"alignment {pool.alignment_bytes} B"),
+        ("upstream per-step allocation: peak", up.transient_peak_bytes,
+         f"{up.allocations_per_step} allocations, {human(up.bytes_allocated_per_step)} "
          "allocated per step"),
-        ("Megatron-style full gradient buffer", meg["buffer_bytes"],
-         f"persistent, {meg['dtype']}, no copy (replaces main_grad)"),
+        ("Megatron-style full gradient buffer", meg.buffer_bytes,
+         f"persistent, {meg.dtype}, no copy (replaces main_grad)"),
     ]
     width = max(len(r[0]) for r in rows)
     lines.append(f"{'per rank':<{width}}  {'bytes':>12}  notes")
     for name, value, note in rows:
         lines.append(f"{name:<{width}}  {human(value):>12}  {note}")
     lines += ["",
-              f"copied by the pool per step: {human(copy['bytes_copied_per_step'])} written, "
-              f"{human(copy['bytes_read_per_step'])} read; ESTIMATED copy time "
-              f"{copy['estimated_seconds'] * 1e3:.1f} ms per step at {copy['hbm_gbps']:g} GB/s x "
-              f"{copy['copy_efficiency']:g} (an estimate until a 910B run measures it; "
+              f"copied by the pool per step: {human(copy.bytes_copied_per_step)} written, "
+              f"{human(copy.bytes_read_per_step)} read; ESTIMATED copy time "
+              f"{copy.estimated_seconds * 1e3:.1f} ms per step at {copy.hbm_gbps:g} GB/s x "
+              f"{copy.copy_efficiency:g} (an estimate until a 910B run measures it; "
               "--hbm-gbps and --copy-efficiency set it)",
-              f"context (not the reduce path): largest unit {ctx['largest_unit']} gathered "
-              f"{human(ctx['largest_unit_gathered_bytes'])} + its full gradients "
-              f"{human(ctx['largest_unit_grad_bytes'])}; every unit gathered "
-              f"{human(ctx['all_gathered_bytes'])}"
-              + (f"; HCCL buffers {human(ctx['hccl_buffer_bytes'])} "
-                 f"({ctx['hccl_communicators']} communicator(s) x 2 x HCCL_BUFFSIZE)"
-                 if ctx["hccl_buffer_bytes"] else ""),
-              f"per rank without activations: state + pool {human(ctx['state_and_pool_bytes'])}; "
-              f"+ one unit gathered {human(ctx['with_one_unit_bytes'])}; as implemented "
-              f"({_as_implemented(plan)}) {human(ctx['as_implemented_bytes'])}"
-              + (f"; device {human(ctx['device_memory_bytes'])}"
-                 if ctx["device_memory_bytes"] else "")]
-    memory = ctx["device_memory_bytes"]
+              f"context (not the reduce path): largest unit {ctx.largest_unit} gathered "
+              f"{human(ctx.largest_unit_gathered_bytes)} + its full gradients "
+              f"{human(ctx.largest_unit_grad_bytes)}; every unit gathered "
+              f"{human(ctx.all_gathered_bytes)}"
+              + (f"; HCCL buffers {human(ctx.hccl_buffer_bytes)} "
+                 f"({ctx.hccl_communicators} communicator(s) x 2 x HCCL_BUFFSIZE)"
+                 if ctx.hccl_buffer_bytes else ""),
+              f"per rank without activations: state + pool {human(ctx.state_and_pool_bytes)}; "
+              f"+ one unit gathered {human(ctx.with_one_unit_bytes)}; as implemented "
+              f"({_as_implemented(plan)}) {human(ctx.as_implemented_bytes)}"
+              + (f"; device {human(ctx.device_memory_bytes)}"
+                 if ctx.device_memory_bytes else "")]
+    memory = ctx.device_memory_bytes
     if memory:
-        fits = ctx["as_implemented_bytes"] <= memory
+        fits = ctx.as_implemented_bytes <= memory
         lines.append(f"fits a {human(memory)} card without activations: "
-                     f"{'yes' if fits else 'NO'} ({ctx['as_implemented_bytes'] / memory:.0%} of it)")
+                     f"{'yes' if fits else 'NO'} ({ctx.as_implemented_bytes / memory:.0%} of it)")
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
 
 
 def _as_implemented(plan: MemoryPlan) -> str:
-    if plan.config["reshard_after_forward"]:
+    if plan.config.reshard_after_forward:
         return ("reshard_after_forward: the root and at most two layers gathered at once, the "
                 "running one and the one prefetched; lazy init materialises local shards only")
     return "reshard_after_forward off: every unit gathered from its forward to its backward"
