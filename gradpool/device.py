@@ -108,6 +108,6 @@ def block_launches() -> None:
     """Run every op of this process synchronously from now on (process-wide; MindSpore has no way
     back). On CPU ranks sharing a machine's cores this makes a small model's step much faster:
     PyNative's queue threads of every rank otherwise compete for the same cores (measured in the
-    README's "Op launch on CPU" section)."""
+    docs/launch.md, "Op launch on CPU")."""
     import mindspore as ms
     ms.runtime.launch_blocking()
