@@ -283,3 +283,34 @@ def test_a_loaded_model_keeps_every_shape_and_saves_again_loadably(tmp_path):
     third, third_opt = _trained(seed=5, steps=1)
     checkpoint.load(tmp_path / "b", third, third_opt)
     _assert_same(_values(third_opt), _values(opt))
+
+
+def test_a_sharded_state_dict_of_another_layout_loads_from_all_its_pieces():
+    """Every rank's ShardedTensors of a 3-way Shard(0) layout, given as lists, load into the
+    unsharded model (each rank takes its part); a missing or overlapping piece is refused."""
+    model, _ = _trained(seed=3, steps=1)
+    full = get_model_state_dict(model, full_state_dict=True)
+
+    def pieces(tensor, world=3, drop=None, overlap=False):
+        values = tensor.asnumpy()
+        if values.ndim == 0:
+            return tensor
+        chunk = -(-values.shape[0] // world)
+        out = []
+        for r in range(world):
+            start = max(0, r * chunk - (1 if overlap and r else 0))
+            part = values[start:(r + 1) * chunk]
+            if part.shape[0] and r != drop:
+                out.append(ShardedTensor(ms.Tensor(part), values.shape,
+                                         (start,) + (0,) * (values.ndim - 1)))
+        return out
+
+    other, _ = _trained(seed=4, steps=0)
+    set_model_state_dict(other, {k: pieces(v) for k, v in full.items()})
+    _assert_same(_values(other), {k: v.asnumpy() for k, v in full.items()})
+    with pytest.raises(StateMismatchError, match="embed: the pieces given hold"):
+        set_model_state_dict(other, {**{k: pieces(v) for k, v in full.items()},
+                                     "embed": pieces(full["embed"], drop=1)})
+    with pytest.raises(StateMismatchError, match="overlap"):
+        set_model_state_dict(other, {**{k: pieces(v) for k, v in full.items()},
+                                     "embed": pieces(full["embed"], overlap=True)})

@@ -212,15 +212,32 @@ def _check_keys(entries: list[StateEntry], state_dict: Mapping, what: str) -> No
 
 
 def _pieces(name: str, value) -> tuple[tuple, str, list[tuple[Box, object]]]:
-    """(global shape, dtype name, [(box, values)]) of one state-dict value."""
+    """(global shape, dtype name, [(box, values)]) of one state-dict value: a whole tensor, one
+    ShardedTensor, or a list of ShardedTensors of one tensor (e.g. every rank's of another world
+    size: then each rank takes its part of them)."""
     if isinstance(value, ShardedTensor):
         return tuple(value.global_shape), dtype_name(value.local.dtype), [(value.box, value.local)]
+    if isinstance(value, (list, tuple)) and value \
+            and all(isinstance(v, ShardedTensor) for v in value):
+        kinds = {(tuple(v.global_shape), dtype_name(v.local.dtype)) for v in value}
+        if len(kinds) > 1:
+            raise StateMismatchError(f"{name}: its ShardedTensors disagree on the global shape "
+                                     f"or dtype: {sorted(kinds)}")
+        boxes = [v.box for v in value]
+        for i, box in enumerate(boxes):
+            for other in boxes[i + 1:]:
+                if box.intersect(other) is not None:
+                    raise StateMismatchError(f"{name}: ShardedTensors at {box} and {other} "
+                                             "overlap; give each element once")
+        shape, dtype = kinds.pop()
+        return shape, dtype, [(v.box, v.local) for v in value]
     if isinstance(value, (ms.Tensor, np.ndarray)):
         shape = tuple(value.shape)
         dtype = dtype_name(value.dtype) if isinstance(value, ms.Tensor) else str(value.dtype)
         return shape, dtype, [(Box.whole(shape), value)]
     raise InvalidArgumentError(f"state dict value of {name!r} is a {type(value).__name__}; "
-                               "expected a mindspore Tensor, a numpy array or a ShardedTensor")
+                               "expected a mindspore Tensor, a numpy array, a ShardedTensor or a "
+                               "list of ShardedTensors")
 
 
 def _load(entries: list[StateEntry], state_dict: Mapping, what: str) -> None:
