@@ -314,3 +314,16 @@ def test_a_sharded_state_dict_of_another_layout_loads_from_all_its_pieces():
     with pytest.raises(StateMismatchError, match="overlap"):
         set_model_state_dict(other, {**{k: pieces(v) for k, v in full.items()},
                                      "embed": pieces(full["embed"], overlap=True)})
+
+
+def test_a_full_numpy_state_dict_is_copied_not_adopted():
+    """The caller's arrays stay the caller's: changing one after loading changes nothing."""
+    model, _ = _trained(seed=3, steps=0)
+    state = {k: v.asnumpy().copy() for k, v in get_model_state_dict(model,
+                                                                     full_state_dict=True).items()}
+    other, _ = _trained(seed=4, steps=0)
+    set_model_state_dict(other, state)
+    loaded = _values(other)
+    for array in state.values():
+        array[...] = 0
+    _assert_same(_values(other), loaded)

@@ -24,7 +24,7 @@ from gradpool import (CheckpointError, InvalidArgumentError, StateMismatchError,
                       communicator_for)
 from hyper_parallel.checkpoint import files
 from hyper_parallel.core.dtensor.boxes import Box, check_cover, plan_reads
-from hyper_parallel.core.fully_shard.state_dict import (StateEntry, model_entries,
+from hyper_parallel.core.fully_shard.state_dict import (StateEntry, assemble, model_entries,
                                                         optimizer_entries)
 
 logger = logging.getLogger(__name__)
@@ -68,9 +68,14 @@ def _agree(comm, error: Optional[BaseException], what: str) -> None:
                               "see their logs; the previous checkpoint is unchanged")
 
 
-def _check_save_args(path, step, extra) -> Path:
+def _checked_path(path) -> Path:
     if not isinstance(path, (str, Path)) or not str(path):
         raise InvalidArgumentError(f"checkpoint path must be a non-empty str or Path, got {path!r}")
+    return Path(path)
+
+
+def _check_save_args(path, step, extra) -> Path:
+    root = _checked_path(path)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise InvalidArgumentError(f"step must be an int >= 0 or None, got {step!r}")
     try:
@@ -78,7 +83,7 @@ def _check_save_args(path, step, extra) -> Path:
     except (TypeError, ValueError) as exc:
         raise InvalidArgumentError(f"extra must be JSON-serialisable (it goes into the index): "
                                    f"{exc}") from exc
-    return Path(path)
+    return root
 
 
 def save(path, model, optimizer=None, *, step: Optional[int] = None, extra: Any = None) -> SaveResult:
@@ -170,14 +175,19 @@ def _check_fits(index: files.Index, entries, optimizer, root: Path) -> None:
                                      "optimizer) does not have")
 
 
+def _read_box(reader: files.PieceReader, key: str, record: files.TensorRecord, box: Box,
+              reads: list) -> np.ndarray:
+    """``box`` of ``key``, read from the checkpoint's pieces ``plan_reads`` chose."""
+    return assemble(box, reads, lambda index, part: reader.read(key, record.pieces[index], part),
+                    files.numpy_dtype(record.dtype))
+
+
 def load(path, model, optimizer=None) -> dict:
     """Load a checkpoint saved at any world size or mesh into ``model`` (and ``optimizer``);
     every rank calls it and reads only the slices it holds. Returns ``{"step", "extra",
     "bytes_read", "seconds"}``. The model is unchanged when the checkpoint does not fit."""
-    if not isinstance(path, (str, Path)) or not str(path):
-        raise InvalidArgumentError(f"checkpoint path must be a non-empty str or Path, got {path!r}")
+    root = _checked_path(path)
     start = time.perf_counter()
-    root = Path(path)
     index = files.read_index(root)
     entries = _entries(model, optimizer)
     _check_fits(index, entries, optimizer, root)
@@ -189,16 +199,8 @@ def load(path, model, optimizer=None) -> dict:
         for piece_index, _ in reads:
             reader.open(record.pieces[piece_index].file)     # every file checked before a write
         planned.append((key, entry, record, reads))
-    values_of = []
-    for key, entry, record, reads in planned:
-        if len(reads) == 1 and reads[0][1] == entry.box:      # one piece holds all of it
-            values = reader.read(key, record.pieces[reads[0][0]], entry.box)
-        else:
-            values = np.zeros(entry.box.lengths, dtype=files.numpy_dtype(record.dtype))
-            for piece_index, part in reads:
-                values[part.slices(entry.box)] = reader.read(key, record.pieces[piece_index],
-                                                             part)
-        values_of.append((entry, values))
+    values_of = [(entry, _read_box(reader, key, record, entry.box, reads))
+                 for key, entry, record, reads in planned]
     for entry, values in values_of:
         entry.assign(values)
     seconds = time.perf_counter() - start
@@ -221,11 +223,8 @@ def export_full(checkpoint, out) -> dict:
         if not key.startswith(MODEL):
             continue
         whole = Box.whole(record.shape)
-        values = np.zeros(record.shape, dtype=files.numpy_dtype(record.dtype))
-        for piece_index, part in plan_reads(key, record.shape, whole,
-                                            [p.box for p in record.pieces]):
-            values[part.slices(whole)] = reader.read(key, record.pieces[piece_index], part)
-        arrays[key[len(MODEL):]] = values
+        reads = plan_reads(key, record.shape, whole, [p.box for p in record.pieces])
+        arrays[key[len(MODEL):]] = _read_box(reader, key, record, whole, reads)
     if not arrays:
         raise CheckpointError(f"checkpoint {root} holds no model tensors")
     out = Path(out)

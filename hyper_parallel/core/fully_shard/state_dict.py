@@ -22,7 +22,7 @@ Keys are parameter paths in the model (``parameters_and_names()``): the unsharde
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import mindspore as ms
 import ml_dtypes
@@ -60,6 +60,24 @@ def to_numpy(tensor: ms.Tensor) -> np.ndarray:
 
 def dtype_name(dtype) -> str:
     return str(dtype).lower()
+
+
+def host_dtype(dtype) -> np.dtype:
+    """The NumPy dtype :func:`to_numpy` gives a tensor of MindSpore ``dtype``."""
+    return np.dtype(ml_dtypes.bfloat16 if dtype == ms.bfloat16 else ms.dtype_to_nptype(dtype))
+
+
+def assemble(box: Box, reads: list, read_part: Callable[[int, Box], np.ndarray],
+             dtype) -> np.ndarray:
+    """The values of ``box`` from the parts :func:`plan_reads` chose: ``read_part(piece index,
+    part)`` gives a part's values, an array the result may share. A single part that is the
+    whole box is returned as read (no copy)."""
+    if len(reads) == 1 and reads[0][1] == box:
+        return read_part(*reads[0])
+    values = np.zeros(box.lengths, dtype=dtype)
+    for index, part in reads:
+        values[part.slices(box)] = read_part(index, part)
+    return values
 
 
 @dataclass
@@ -253,17 +271,12 @@ def _load(entries: list[StateEntry], state_dict: Mapping, what: str) -> None:
         planned.append((entry, pieces, plan_reads(entry.name, shape, entry.box,
                                                   [box for box, _ in pieces])))
     for entry, pieces, reads in planned:
-        values = None
-        for index, part in reads:
+        def read_part(index: int, part: Box, pieces=pieces) -> np.ndarray:
             box, source = pieces[index]
-            array = source if isinstance(source, np.ndarray) else to_numpy(source)
-            chunk = array[part.slices(box)]
-            if values is None:
-                values = np.empty(entry.box.lengths, dtype=chunk.dtype)
-            values[part.slices(entry.box)] = chunk
-        if values is None:                       # an empty shard: nothing to read
-            values = np.zeros(entry.box.lengths, dtype=to_numpy(entry.tensor).dtype)
-        entry.assign(values)
+            if isinstance(source, np.ndarray):     # the caller's: assign() keeps what it gets
+                return np.array(source[part.slices(box)])
+            return np.asarray(to_numpy(source)[part.slices(box)])   # a copy of ours already
+        entry.assign(assemble(entry.box, reads, read_part, host_dtype(entry.tensor.dtype)))
 
 
 def get_model_state_dict(model, *, full_state_dict: bool = False) -> dict:
