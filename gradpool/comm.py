@@ -290,18 +290,36 @@ def _jitted(kind: str, group: str):
     return run_all_gather
 
 
+# A compiled CPU collective keeps memory in proportion to the largest input it has run on, so
+# each runs in pieces of at most this many elements (docs/benchmarks/memory.md#cpu-collectives).
+CPU_PIECE_ELEMENTS = 1 << 18
+
+
+def cpu_pieces(numel: int, limit: Optional[int] = None) -> list[tuple[int, int, int]]:
+    """``(start, length, padded)`` pieces covering ``[0, numel)`` in order: ``length <= limit``
+    elements each, sent as ``padded`` elements, a power of two (zero-filled past ``length``), so
+    a process compiles at most one graph per power of two and every graph stays small."""
+    limit = limit or CPU_PIECE_ELEMENTS
+    pieces = []
+    for start in range(0, numel, limit):
+        length = min(limit, numel - start)
+        pieces.append((start, length, 1 << (length - 1).bit_length()))
+    return pieces
+
+
 class CpuMcclCommunicator(_GroupCommunicator):
     """CPU ranks started by ``msrun`` (MCCL backend).
 
     MindSpore 2.10 has no CPU reduce-scatter kernel, so ``reduce_scatter`` is an **all-reduce of
     the whole input followed by keeping this rank's chunk**: it moves W times the bytes of a real
     reduce-scatter (fine for tests and CPU runs, not a performance model). In a sub-group (a mesh
-    dim) ``all_gather`` is an all-reduce too, AllGather running over the world group only. The CPU
-    collectives
-    reject bfloat16, so **bfloat16 travels as float32 on the wire** (exact for the values, sums are
-    accumulated in float32) and is cast back when written. ``"avg"`` is the sum divided by the
-    world size, computed out-of-place and then written. Collectives run synchronously: the handle
-    is complete when returned (the device is synchronized so the write really happened).
+    dim) ``all_gather`` is an all-reduce too, AllGather running over the world group only. Every
+    collective runs in pieces of at most :data:`CPU_PIECE_ELEMENTS` (see :func:`cpu_pieces`), each
+    written into the output when it returns. The CPU collectives reject bfloat16, so **bfloat16
+    travels as float32 on the wire** (exact for the values, sums are accumulated in float32) and
+    is cast back when written. ``"avg"`` is the sum divided by the world size, computed
+    out-of-place and then written. Collectives run synchronously: the handle is complete when
+    returned (the device is synchronized so the write really happened).
     """
 
     _WIRE_DTYPE = {ms.bfloat16: ms.float32}
@@ -315,25 +333,50 @@ class CpuMcclCommunicator(_GroupCommunicator):
 
     def _reduce_scatter(self, output, input, op, async_op) -> CommHandle:
         n = output.numel()
-        total = self._run("reduce_scatter", "all_reduce", input)
-        mine = total[self._rank * n:(self._rank + 1) * n]
-        return self._finish(output, self._average(mine) if op == "avg" else mine)
+        # every rank walks every rank's block in the same order: the all-reduces pair up
+        for owner in range(self._world):
+            for start, length, padded in cpu_pieces(n):
+                total = self._run("reduce_scatter", "all_reduce",
+                                  self._piece(input, owner * n + start, length, padded))
+                if owner == self._rank:
+                    self._write(output, start, self._average(total) if op == "avg" else total,
+                                0, length)
+        return self._done()
 
     def _all_gather(self, output, input, async_op) -> CommHandle:
-        if self.group == self._world_group:
-            return self._finish(output, self._run("all_gather", "all_gather", input))
-        # AllGather runs only over the world group on CPU ("AllGather only support
-        # mccl_world_group"): in a sub-group, each rank puts its input at its place in a zero
-        # buffer and the buffers are summed (exact: every other addend is zero).
         n = input.numel()
-        pieces = [mint.zeros(self._rank * n, dtype=input.dtype), input,
-                  mint.zeros((self._world - self._rank - 1) * n, dtype=input.dtype)]
-        placed = mint.cat([piece for piece in pieces if piece.numel()])
-        return self._finish(output, self._run("all_gather", "all_reduce", placed))
+        if self.group == self._world_group:
+            for start, length, padded in cpu_pieces(n):
+                gathered = self._run("all_gather", "all_gather",
+                                     self._piece(input, start, length, padded))
+                for owner in range(self._world):
+                    self._write(output, owner * n + start, gathered, owner * padded, length)
+            return self._done()
+        # AllGather runs only over the world group on CPU ("AllGather only support
+        # mccl_world_group"): in a sub-group, each rank sends its input in its owner's turn and
+        # zeros in the others', and the pieces are summed (exact: every other addend is zero).
+        for owner in range(self._world):
+            for start, length, padded in cpu_pieces(n):
+                piece = (self._piece(input, start, length, padded) if owner == self._rank
+                         else mint.zeros(padded, dtype=input.dtype))
+                self._write(output, owner * n + start,
+                            self._run("all_gather", "all_reduce", piece), 0, length)
+        return self._done()
 
     def _all_reduce(self, tensor, op, async_op) -> CommHandle:
-        total = self._run("all_reduce", "all_reduce", tensor)
-        return self._finish(tensor, self._average(total) if op == "avg" else total)
+        # piece by piece in place: a piece is read by its all-reduce before it is overwritten
+        for start, length, padded in cpu_pieces(tensor.numel()):
+            total = self._run("all_reduce", "all_reduce",
+                              self._piece(tensor, start, length, padded))
+            self._write(tensor, start, self._average(total) if op == "avg" else total, 0, length)
+        return self._done()
+
+    @staticmethod
+    def _piece(tensor: ms.Tensor, start: int, length: int, padded: int) -> ms.Tensor:
+        piece = tensor[start:start + length]
+        if padded == length:
+            return piece
+        return mint.cat([piece, mint.zeros(padded - length, dtype=tensor.dtype)])
 
     def _run(self, name: str, kind: str, tensor: ms.Tensor) -> ms.Tensor:
         wire = self._WIRE_DTYPE.get(tensor.dtype)
@@ -347,10 +390,20 @@ class CpuMcclCommunicator(_GroupCommunicator):
         return mint.div(total, self._world)
 
     @staticmethod
-    def _finish(output: ms.Tensor, result: ms.Tensor) -> CommHandle:
-        if not _host_copy(output, result):      # bfloat16 back from the float32 wire: a cast
-            overwrite(output, result)
-            synchronize()
+    def _write(output: ms.Tensor, at: int, result: ms.Tensor, start: int, length: int) -> None:
+        """``result[start:start + length]`` into ``output[at:at + length]``, cast to its dtype."""
+        if result.dtype != output.dtype:        # bfloat16 back from the float32 wire
+            result = result.astype(output.dtype)
+        drain_launch_queue()                    # the piece's collective has written ``result``
+        dst, src = host_alias(output), host_alias(result)
+        if dst is None or src is None:
+            overwrite(output[at:at + length], result[start:start + length])
+            return
+        np.copyto(dst[at:at + length], src[start:start + length])
+
+    @staticmethod
+    def _done() -> CommHandle:
+        synchronize()
         return CompletedHandle()
 
     def __repr__(self) -> str:

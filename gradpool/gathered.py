@@ -91,12 +91,23 @@ class GatheredParam:
             raise InvalidArgumentError(
                 f"cannot fill a gathered parameter of shape {self.shape} with shape "
                 f"{tuple(full.shape)}")
+        target = self.target()
+        if self.nbytes:
+            overwrite(target, full.reshape(-1))
+        return self.filled()
+
+    def target(self) -> ms.Tensor:
+        """The memory, regrown if it was released, as a flat tensor for a writer that fills it
+        without bumping the tensor's version (:meth:`fill`, or an all-gather straight into it);
+        call :meth:`filled` once it is written."""
         if not self.resident:
             _resize_storage(self._record, self._record.nbytes)
             self.resident = True
             self.stats.regrows += 1
-        if self.nbytes:
-            overwrite(self.tensor.data.reshape(-1), full.reshape(-1))
+        return self.tensor.data.reshape(-1)
+
+    def filled(self) -> ms.Tensor:
+        """Mark the memory written (by :meth:`target`'s writer); returns :attr:`tensor`."""
         self.valid = True
         self.stats.fills += 1
         return self.tensor

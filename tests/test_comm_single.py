@@ -317,3 +317,14 @@ def test_outside_msrun_is_single_process(monkeypatch):
 def test_unknown_device_raises():
     with pytest.raises(InvalidArgumentError, match="device 'GPU' is not supported"):
         communicator_for(device="GPU")
+
+
+@pytest.mark.parametrize("numel, limit", [(1, 8), (8, 8), (9, 8), (37, 8), (100, 16), (5, 1)])
+def test_cpu_pieces_cover_the_tensor_in_order_each_padded_to_a_power_of_two(numel, limit):
+    from gradpool.comm import cpu_pieces
+    pieces = cpu_pieces(numel, limit)
+    covered = [i for start, length, _ in pieces for i in range(start, start + length)]
+    assert covered == list(range(numel))
+    for start, length, padded in pieces:
+        assert 0 < length <= limit and length <= padded < 2 * length
+        assert padded & (padded - 1) == 0

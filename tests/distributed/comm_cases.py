@@ -15,7 +15,8 @@ import numpy as np
 import mindspore as ms
 from mindspore import mint
 
-from gradpool.comm import CompletedHandle, CpuMcclCommunicator, communicator_for
+import gradpool.comm
+from gradpool.comm import CompletedHandle, CpuMcclCommunicator, communicator_for, cpu_pieces
 from gradpool.dtypes import writable_view
 from gradpool.errors import CommError
 from gradpool.pool import BucketPool
@@ -163,6 +164,44 @@ def reduce_scatter_large_float32(ctx: Context) -> dict:
     expected = reduced(ctx, world * n, "sum", seed=7)[ctx.rank * n:(ctx.rank + 1) * n]
     print(f"reduce_scatter {world}x{n} fp32 seconds per call: {timings}", flush=True)
     return {"shard": allclose(out, expected, ms.float32)}
+
+
+# -- collectives in several pieces (CPU_PIECE_ELEMENTS made small) ----------------------------
+PIECE = 8       # N = 37 elements a rank: four whole pieces and a tail of 5, sent padded to 8
+
+
+def _in_pieces(dtype_name: str):
+    def case(ctx: Context) -> dict:
+        dtype, world = DTYPES[dtype_name], ctx.world_size
+        assert [p[1:] for p in cpu_pieces(N, PIECE)][-1] == (5, 8), "no padded tail: not a test"
+        from mindspore.communication import create_group
+        create_group("comm_cases_pair", list(range(world)))
+        pair = CpuMcclCommunicator(group="comm_cases_pair")
+        every_rank = np.concatenate([rank_values(r, N) for r in range(world)])
+        saved, gradpool.comm.CPU_PIECE_ELEMENTS = gradpool.comm.CPU_PIECE_ELEMENTS, PIECE
+        try:
+            whole, shard = prefix_view(N, 13, dtype)
+            ctx.comm.reduce_scatter(shard, tensor(rank_values(ctx.rank, world * N), dtype),
+                                    op="avg")
+            gathered = mint.zeros(world * N, dtype=dtype)
+            ctx.comm.all_gather(gathered, tensor(rank_values(ctx.rank, N), dtype))
+            in_group = mint.zeros(world * N, dtype=dtype)
+            pair.all_gather(in_group, tensor(rank_values(ctx.rank, N), dtype))
+            summed = tensor(rank_values(ctx.rank, N), dtype)
+            ctx.comm.all_reduce(summed, op="sum")
+        finally:
+            gradpool.comm.CPU_PIECE_ELEMENTS = saved
+        expected_shard = reduced(ctx, world * N, "avg")[ctx.rank * N:(ctx.rank + 1) * N]
+        return {"reduce_scatter_avg": allclose(shard, expected_shard, dtype),
+                "rest_of_buffer_untouched": untouched(whole, N, dtype),
+                "all_gather": allclose(gathered, every_rank, dtype),
+                "all_gather_in_a_sub_group": allclose(in_group, every_rank, dtype),
+                "all_reduce_in_place": allclose(summed, reduced(ctx, N, "sum"), dtype)}
+    return case
+
+
+for _dt in DTYPES:
+    suite.add(f"collectives_in_pieces_{_dt}", _in_pieces(_dt))
 
 
 # -- argument checks (local: no rank enters a collective) --------------------------------------

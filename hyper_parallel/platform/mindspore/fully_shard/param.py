@@ -376,7 +376,7 @@ class PendingGather:
 
 
 def launch_all_gather(params: list, locals_: list, pool, *, fused: bool,
-                      host: bool = True) -> PendingGather:
+                      host: bool = True, buffers: Optional[list] = None) -> PendingGather:
     """Launch the all-gathers that make the full parameters of one unit from their local shards
     (``pool`` gives the fused gathers their buckets; None will do when not ``fused``).
 
@@ -394,7 +394,12 @@ def launch_all_gather(params: list, locals_: list, pool, *, fused: bool,
     holds this unit's parameters for backward. Keeping the lease until the unit's backward
     instead would hold every unit's gather bucket for the whole step (they all overlap between
     forward and backward) and leak one when a forward has no backward. The cost is one copy of
-    the gathered bytes, small next to a CPU collective."""
+    the gathered bytes, small next to a CPU collective.
+
+    ``buffers`` (a unit's :class:`gradpool.GatheredParam` per parameter, or None): a parameter
+    gathered alone whose gathered rows are its full tensor as they are (sharded on dim 0, no
+    padding, no cast) is gathered straight into its buffer, with no copy and no memory of its
+    own; its ``finish`` returns the buffer's tensor, filled."""
     pending = PendingGather(len(params))
     groups: dict = {}
     try:
@@ -405,7 +410,10 @@ def launch_all_gather(params: list, locals_: list, pool, *, fused: bool,
             elif fused:
                 groups.setdefault(local.dtype, []).append(index)
             else:
-                pending.add([index], *_launch_one_gather(param, local))
+                buffer = buffers[index] if buffers is not None else None
+                into = buffer if buffer is not None and gathers_in_place(param, local, buffer) \
+                    else None
+                pending.add([index], *_launch_one_gather(param, local, into))
         for dtype, indices in groups.items():
             members = [params[i] for i in indices]
             pending.add(indices, *_launch_bucket_gather(
@@ -416,13 +424,23 @@ def launch_all_gather(params: list, locals_: list, pool, *, fused: bool,
     return pending
 
 
-def _launch_one_gather(param: MindSporeHSDPParamV2, local: ms.Tensor):
+def gathers_in_place(param: MindSporeHSDPParamV2, local: ms.Tensor, buffer) -> bool:
+    """Whether every rank's chunk, concatenated, is ``param``'s full tensor in ``buffer``'s dtype
+    as it is (no reordering, no padding, no cast), so the all-gather can write the buffer."""
+    return (param.shard_dim == 0 and param.slot.shard_padding_numel == 0
+            and local.dtype == buffer.dtype)
+
+
+def _launch_one_gather(param: MindSporeHSDPParamV2, local: ms.Tensor, into=None):
     numel = param.slot.chunk_numel
-    gathered = mint.empty(numel * param.world_size, dtype=local.dtype)
+    gathered = (mint.empty(numel * param.world_size, dtype=local.dtype) if into is None
+                else into.target())
     handle = param.comm.all_gather(gathered, local.reshape(numel), async_op=True)
 
     def finish() -> list:
         handle.wait()
+        if into is not None:
+            return [into.filled()]
         return [param.in_param_dtype(unshard(gathered, param.slot))]
 
     def abandon() -> None:

@@ -272,17 +272,24 @@ class HSDPUnitState:
         return pending.wait(self._fill)
 
     def _fill(self, index: int, full: ms.Tensor) -> ms.Tensor:
-        """Entry ``index`` of a gather: written into that parameter's buffer (made on first use),
-        whose tensor is what the cells compute with; a parameter with nothing to gather is its
-        own full form (no buffer, never released)."""
+        """Entry ``index`` of a gather: written into that parameter's buffer, whose tensor is what
+        the cells compute with (a gather straight into the buffer has filled it already); a
+        parameter with nothing to gather is its own full form (no buffer, never released)."""
+        buffer = self._buffer(index)
+        if buffer is None or full is buffer.tensor:
+            return full
+        return buffer.fill(full)
+
+    def _buffer(self, index: int) -> Optional[GatheredParam]:
+        """Parameter ``index``'s gathered memory, made on first use; None when it has nothing to
+        gather."""
         param = self.params[index]
         if param.replicate or param.world_size == 1:
-            return full
-        buffer = self._buffers[index]
-        if buffer is None:
-            buffer = self._buffers[index] = GatheredParam(
+            return None
+        if self._buffers[index] is None:
+            self._buffers[index] = GatheredParam(
                 param.orig_shape, param.param_dtype or param.orig_dtype, poison=self._poison)
-        return buffer.fill(full)
+        return self._buffers[index]
 
     def release_gathered(self) -> None:
         """Release the memory of every gathered parameter of this unit (the one release path
@@ -298,7 +305,8 @@ class HSDPUnitState:
     def _launch_gather(self, local_params) -> PendingGather:
         return launch_all_gather(self.params, list(local_params), self.reducer.pool,
                                  fused=self.reducer.config.comm_fusion,
-                                 host=self.reducer.config.host_copies)
+                                 host=self.reducer.config.host_copies,
+                                 buffers=[self._buffer(i) for i in range(len(self.params))])
 
     def prefetch(self) -> None:
         """Launch this unit's all-gathers now (another unit's forward started), unless they are
