@@ -31,7 +31,8 @@ if TYPE_CHECKING:
                                CompletedHandle, CpuMcclCommunicator, SingleProcessCommunicator,
                                check_reduce_op, communicator_for, init_distributed,
                                launched_by_msrun)
-    from gradpool.device import SUPPORTED_DEVICES, device_target, synchronize
+    from gradpool.device import (SUPPORTED_DEVICES, device_target, return_free_host_memory,
+                                 synchronize)
     from gradpool.dtypes import (DTYPE_NAMES, SUPPORTED_DTYPES, check_dtype, dtype_named,
                                  itemsize, nan_fill, overwrite, writable_view)
     from gradpool.errors import (ArgumentTypeError, CheckpointError, CommError,

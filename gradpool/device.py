@@ -111,3 +111,24 @@ def block_launches() -> None:
     docs/launch.md, "Op launch on CPU")."""
     import mindspore as ms
     ms.runtime.launch_blocking()
+
+
+@functools.lru_cache(maxsize=None)
+def _malloc_trim():
+    import ctypes
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):     # not glibc: no such call
+        return None
+
+
+def return_free_host_memory() -> bool:
+    """Hand the C allocator's free pages back to the OS (glibc's ``malloc_trim``); False, doing
+    nothing, where there is no such call. Why: once a large block has been freed, glibc raises
+    its mmap threshold, and later large blocks come from the heap, which keeps what they free
+    (on CPU, tensors are host memory: docs/benchmarks/memory.md#the-host-allocator)."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True

@@ -341,3 +341,29 @@ def test_the_parameters_the_model_was_built_with_are_released():
     gc.collect()
     assert [ref() for ref in originals] == [None] * len(originals)
     assert all(hasattr(p, "hsdp_param") for p in net.trainable_params())
+
+
+def test_the_replaced_parameters_are_freed_before_the_first_forward_without_a_collection():
+    """A MindSpore Parameter and its ParamInfo refer to each other, so the replaced full
+    parameters wait for the cycle collector; the first forward runs it once (and on CPU hands
+    the freed host memory back), so their memory does not stay for a collector that may not run
+    before the step's peak. The collector is off here: only fully_shard's own collection can
+    free them."""
+    import gc
+    import weakref
+    from unittest import mock
+    import gradpool.device
+    x = ms.Tensor(np.ones((2, 4), np.float32))
+    gc.disable()
+    try:
+        net = TwoLayer()
+        originals = [weakref.ref(p) for p in net.trainable_params()]
+        fully_shard(net)
+        assert all(ref() is not None for ref in originals), "nothing to free: not a test"
+        with mock.patch.object(gradpool.device, "_malloc_trim") as trim:
+            net(x)
+            net(x)
+        assert [ref() for ref in originals] == [None] * len(originals)
+        trim.return_value.assert_called_once_with(0)        # once, not at every forward
+    finally:
+        gc.enable()

@@ -330,6 +330,8 @@ def fully_shard(module: Union[nn.Cell, list], *, mesh: Optional[DeviceMesh] = No
     unit = HSDPUnitState(modules, [m for _, m in params], reducer, mp_policy,
                          reshard_after_forward,
                          async_reduce=config.async_reduce and mp_policy.apply_grad_on_fp32_main_grad)
+    if params:
+        unit.runtime.replaced_parameters = True     # the originals are freed before a forward
     for mod in modules:
         _extend_class(mod)
         mod.__dict__["_hsdp_state"] = unit

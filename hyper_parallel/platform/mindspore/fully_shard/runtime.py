@@ -5,15 +5,20 @@
 * the shared zero gradients handed to autograd (one tensor per shape and dtype);
 * the order in which units finished their forward, which gives the backward order that the
   implicit backward prefetch follows (FSDP2 does the same: the reverse of the post-forward
-  order).
+  order);
+* whether parameters were replaced by their shards since the last forward: their memory is
+  freed before the next forward starts (:meth:`FullyShardRuntime.free_replaced_parameters`).
 """
 from __future__ import annotations
 
+import gc
 import weakref
 from typing import Optional
 
 import mindspore as ms
 from mindspore import mint
+
+from gradpool import device_target, return_free_host_memory
 
 
 class FullyShardRuntime:
@@ -24,6 +29,7 @@ class FullyShardRuntime:
         self.in_flight: list = []                  # units whose async reduce is not in main_grad
         self.zeros: dict = {}                      # (shape, dtype) -> read-only zero tensor
         self.forward_order: list = []              # units in the order their forward ended
+        self.replaced_parameters = False           # fully_shard swapped some since the last forward
 
     # -- registry ---------------------------------------------------------------------------------
     def register(self, unit) -> None:
@@ -33,6 +39,23 @@ class FullyShardRuntime:
         alive = [ref for ref in self._units if ref() is not None]
         self._units = alive
         return [ref() for ref in alive]
+
+    # -- the parameters fully_shard replaced ----------------------------------------------------
+    def free_replaced_parameters(self) -> None:
+        """Free the full parameters ``fully_shard`` replaced with shards, once, before a forward.
+
+        They are garbage once replaced, but a MindSpore ``Parameter`` and its ``ParamInfo``
+        refer to each other, so only the cycle collector frees them: without this, a model's
+        worth of full parameters stays until Python's collector happens to run. One collection
+        for every ``fully_shard`` call before the first forward (a collection per call would
+        cost one per layer). On CPU the freed parameters are host memory, handed back to the OS
+        too."""
+        if not self.replaced_parameters:
+            return
+        self.replaced_parameters = False
+        gc.collect()
+        if device_target() == "CPU":
+            return_free_host_memory()
 
     # -- shared zeros -----------------------------------------------------------------------------
     def shared_zeros(self, shape: tuple, dtype) -> ms.Tensor:

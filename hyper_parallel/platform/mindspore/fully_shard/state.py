@@ -207,6 +207,7 @@ class HSDPUnitState:
 
     # -- forward ----------------------------------------------------------------------------------
     def _pre_forward(self, cell, inputs):
+        self.runtime.free_replaced_parameters()
         if not self._gathered:
             # One gather for the whole unit, at the first of its modules to run: its backward
             # then receives every module's gradients at once, and the unit reduces once.
