@@ -817,6 +817,43 @@ def reshard_after_forward_list_unit(ctx: Context) -> dict:
                           builder=_list_unit_model)
 
 
+@suite.case
+def gathers_straight_into_the_buffers(ctx: Context) -> dict:
+    """A parameter gathered alone whose gathered rows are its full tensor (dim 0 divisible by the
+    world, float32 compute) is all-gathered into its buffer, the others through a temporary;
+    values as with resharding off."""
+    import hyper_parallel.platform.mindspore.fully_shard.param as param_module
+    import hyper_parallel.platform.mindspore.fully_shard.state as state_module
+    launched, in_unit = {}, []
+    launch_all, launch_one = state_module.launch_all_gather, param_module._launch_one_gather
+
+    def unit_gather(*args, buffers=None, **kwargs):     # a unit's gather (it passes buffers)
+        in_unit.append(buffers is not None)
+        try:
+            return launch_all(*args, buffers=buffers, **kwargs)
+        finally:
+            in_unit.pop()
+
+    def recording(param, local, into=None):
+        if in_unit and in_unit[-1]:
+            launched.setdefault(param.name, set()).add(into is not None)
+        return launch_one(param, local, into)
+
+    state_module.launch_all_gather, param_module._launch_one_gather = unit_gather, recording
+    models = []
+    try:
+        checks = reshard_checks(FIELD, ["train.steps=1"], prepare=models.append)
+    finally:
+        state_module.launch_all_gather, param_module._launch_one_gather = launch_all, launch_one
+    shapes = {p.name: tuple(p.hsdp_param.orig_shape) for p in models[0].trainable_params()}
+    got = {name: sorted(flags) for name, flags in launched.items()}
+    expected = {name: [shapes[name][0] % ctx.world_size == 0] for name in launched}
+    checks["straight into the buffer exactly when the rows are the tensor"] = equal(got, expected)
+    checks["both kinds present"] = equal(
+        sorted({flag for flags in launched.values() for flag in flags}), [False, True])
+    return checks
+
+
 if __name__ == "__main__":
     ms.set_device("CPU")
     suite.main()
