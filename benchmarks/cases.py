@@ -128,6 +128,7 @@ def make_copy(case: CopyCase) -> Callable[[], None]:
     from mindspore import mint
 
     from gradpool import pack as packing
+    from gradpool import writers
     from gradpool.device import device_target, synchronize
     from gradpool.layout import ReduceScatterLayout
     from gradpool.pool import BucketPool
@@ -173,7 +174,7 @@ def make_copy(case: CopyCase) -> Callable[[], None]:
 
         def run():
             lease = pool.acquire(layout.total_numel, bucket_dtype)
-            written = packing.pack(lease, grads, layout, host=True)
+            written = writers.pack(lease, grads, layout, host=True)
             if not written.on_host:
                 synchronize()          # device writes are queued; a NumPy write is done
             lease.release()

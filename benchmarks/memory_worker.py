@@ -84,13 +84,13 @@ class Meter:
 
 
 def prepay_library() -> int:
-    """Pay the library's fixed cost (imports, the pool's compiled host loops) before the
-    baseline, and return it: it does not scale with the model, and the unsharded run does not
-    pay it."""
+    """Pay the library's fixed cost (imports, the host writer's compiled loops, made with the
+    first reducer on a CPU pool) before the baseline, and return it: it does not scale with the
+    model, and the unsharded run does not pay it."""
     before = read_status()["VmRSS"]
     import hyper_parallel  # noqa: F401
     from gradpool.runtime import GradPoolConfig, runtime_for
-    runtime_for(GradPoolConfig())
+    runtime_for(GradPoolConfig()).reducer()
     return read_status()["VmRSS"] - before
 
 

@@ -10,8 +10,9 @@ What users (and ``hyper_parallel``) import::
     result.release()                # output buckets back to the pool
 
 Layers, bottom up (``tests/test_architecture.py`` keeps the arrows pointing down):
-``errors``, ``layout`` (pure Python) and ``dtypes``, ``device`` -> ``pool`` | ``comm`` |
-``gathered`` (siblings) -> ``pack`` -> ``reducer`` -> ``runtime`` -> ``testing``; ``hyper_parallel`` and
+``errors``, ``layout`` and ``reuse`` (pure Python) and ``dtypes``, ``device`` -> ``pool`` |
+``comm`` | ``gathered`` (siblings) -> ``pack`` (the device writer) -> ``host`` (the CPU host
+writer) -> ``writers`` -> ``reducer`` -> ``runtime`` -> ``testing``; ``hyper_parallel`` and
 ``gradpool.app`` (model, training job, YAML config, CLI, msrun launcher) sit on top.
 
 The imports below, under ``TYPE_CHECKING``, are the façade: every name it exports and where it
@@ -43,10 +44,10 @@ if TYPE_CHECKING:
                                  check_int, check_positive_number)
     from gradpool.gathered import GatheredParam, GatheredStats
     from gradpool.layout import GradSlot, ReduceScatterLayout, fusion_groups
-    from gradpool.pack import Written, chunk_rows, flat_view, local_shard, shard_views
-    from gradpool.pack import accumulate as accumulate_bucket
-    from gradpool.pack import pack as pack_bucket
-    from gradpool.pack import unpack_gathered, unshard
+    from gradpool.pack import Written, chunk_rows, flat_view, local_shard, shard_views, unshard
+    from gradpool.writers import accumulate as accumulate_bucket
+    from gradpool.writers import pack as pack_bucket
+    from gradpool.writers import unpack_gathered
     from gradpool.pool import BucketPool, Fence, Lease, PoolStats, as_fence, fence_done
     from gradpool.reducer import GradReducer, PackedBucket, ReducerConfig, ReduceResult
     from gradpool.runtime import (GradPoolConfig, Runtime, all_runtimes, build_runtime,

@@ -20,40 +20,24 @@ MindSpore 2.10's CPU backend silently ignores ``copy_`` into a view at a non-zer
   per input than a slice-assignment per gradient, docs/benchmarks/host-path.md#device-path-assembly),
   adds them out of place (CPU's ``add_`` is out of place) and writes the sum back.
 
-On the CPU backend a tensor's ``asnumpy()`` is its own host memory, MindSpore's CPU copy kernel
-runs well below memcpy bandwidth and its casts are slower still
-(docs/benchmarks/host-path.md#cpu-copy-kernel-bandwidth). So with ``host=True`` on a
-CPU pool the **host path** writes with NumPy in place in the lease's allocation, for every
-supported dtype pair and shard dim: bfloat16 memory is viewed as ``ml_dtypes.bfloat16``
-(:func:`gradpool.dtypes.host_view`), a cast is done by NumPy / ml-dtypes while writing (one write
-pass, no intermediate), an accumulate adds in float32 and rounds once into the bucket. A cast
-rounds to nearest even like MindSpore's; its NaNs are rewritten to MindSpore's canonical NaN
-(:func:`gradpool.dtypes.canonicalize_nans`, a read-only scan unless a NaN is there), so the two
-paths write the same bits (``tests/test_pack_casts.py``). One gradient whose bucket is exactly
-the flat gradient (the gradient-by-gradient reduce, a large gradient) takes a short path with
-the same checks: a pack, a compiled write between the gradient's and the bucket's addresses
-(:func:`_pack_one_at_addresses`; :mod:`gradpool.kernels`, numba) for a same-dtype copy,
-bfloat16 -> float32 and float32 -> bfloat16, streaming its stores from 8 MiB; an accumulate, the
-other pairs and a process without numba, NumPy / ml-dtypes (:func:`_put_one_on_host`; same bits,
-slower).
+These functions are the **device writer** (:data:`DEVICE`), one of the two bucket writers
+(:mod:`gradpool.writers`); a CPU pool's buckets are written through their host memory by the
+other, the host writer (:mod:`gradpool.host`), which shares the checks and the chunk geometry
+here.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Sequence
 
-import ml_dtypes
 import mindspore as ms
-import numpy as np
 from mindspore import mint
 
-from gradpool.device import device_target, drain_launch_queue
-from gradpool.dtypes import (canonicalize_nans, check_dtype, compiled_cast, host_address,
-                             host_alias, host_view, host_writer, is_supported_singleton,
-                             is_whole_storage, itemsize, overwrite, writable_view)
-from gradpool.errors import InvalidArgumentError, LayoutMismatchError, LeaseStateError
+from gradpool.device import device_target
+from gradpool.dtypes import (check_dtype, is_supported_singleton, is_whole_storage, itemsize,
+                             overwrite, writable_view)
+from gradpool.errors import InvalidArgumentError, LayoutMismatchError
 from gradpool.layout import GradSlot, ReduceScatterLayout
 from gradpool.pool import Lease
 
@@ -66,23 +50,15 @@ class Written(NamedTuple):
     on_host: bool         # written by NumPy (done on return), else device ops were queued
 
 
-def pack(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout, *,
-         host: bool) -> Written:
-    """Write ``grads`` into ``lease`` per ``layout``: cast to the lease dtype, pad with zeros.
-
-    ``host``: take the NumPy host path where it applies (CPU pool, NumPy dtypes, dim-0 shards)."""
-    if host and len(grads) == 1:
-        written = _pack_one_at_addresses(lease, grads[0], layout)
-        if written is not None:
-            return written
-    return _put(lease, grads, layout, add=False, host=host)
+def pack(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout) -> Written:
+    """Write ``grads`` into ``lease`` per ``layout``: cast to the lease dtype, pad with zeros."""
+    return _put(lease, grads, layout, add=False)
 
 
-def accumulate(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout, *,
-               host: bool) -> Written:
+def accumulate(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout) -> Written:
     """Add ``grads`` (packed per ``layout``) to what ``lease`` holds (a micro-step); the sum is
     computed in the wider dtype and rounded once into the bucket."""
-    return _put(lease, grads, layout, add=True, host=host)
+    return _put(lease, grads, layout, add=True)
 
 
 def shard_views(output: ms.Tensor, layout: ReduceScatterLayout) -> list[ms.Tensor]:
@@ -167,62 +143,55 @@ def unshard(gathered: ms.Tensor, slot: GradSlot) -> ms.Tensor:
     return padded.narrow(dim, 0, slot.shape[dim])
 
 
-def unpack_gathered(lease: Lease, layout: ReduceScatterLayout, *, host: bool) -> list[ms.Tensor]:
+def unpack_gathered(lease: Lease, layout: ReduceScatterLayout) -> list[ms.Tensor]:
     """The full tensors of an all-gather bucket laid out as ``layout`` (row ``r`` is rank ``r``'s
     row of chunks: what every rank sent is its row of the same layout, packed with :func:`pack`
     at world size 1), one per slot, of ``slot.shape``, through :func:`unshard`.
 
     Every tensor returned owns new memory, never a view of the bucket: the caller may recycle the
-    bucket as soon as this returns (on the device path, once the queued copies ran) while autograd
-    still holds the tensors. ``host``: copy out with NumPy on a CPU pool."""
-    lease.tensor  # noqa: B018 - raises LeaseStateError on a released lease
-    if lease.numel != layout.total_numel:
-        raise LayoutMismatchError(
-            f"lease holds {lease.numel} elements; the layout needs {layout.total_numel}")
-    world, row = layout.world_size, layout.row_numel
-    if host and _host_applies(lease):
-        drain_launch_queue()          # the collective that filled the bucket has run
-        rows = _host_bucket(lease).reshape(world, row)
-        # copy() always copies the [W, chunk] column block (ascontiguousarray would return the
-        # bucket itself when the block is the whole bucket); from_numpy adopts that copy.
-        flats = [ms.from_numpy(rows[:, s.offset:s.offset + s.chunk_numel].copy().reshape(-1))
-                 for s in layout.slots]
-    else:
-        grid = lease.tensor.view(world, row)
-        flats = []
-        for s in layout.slots:
-            part = grid[:, s.offset:s.offset + s.chunk_numel]
-            if part.is_contiguous():        # the whole bucket: copy, never hand it out
-                fresh = mint.empty(world * s.chunk_numel, dtype=lease.dtype)
-                overwrite(fresh, part.reshape(-1))
-                flats.append(fresh)
-            else:
-                flats.append(part.contiguous().view(world * s.chunk_numel))
+    bucket once the queued copies ran, while autograd still holds the tensors."""
+    check_gathered(lease, layout)
+    grid = lease.tensor.view(layout.world_size, layout.row_numel)
+    flats = []
+    for s in layout.slots:
+        part = grid[:, s.offset:s.offset + s.chunk_numel]
+        if part.is_contiguous():        # the whole bucket: copy, never hand it out
+            fresh = mint.empty(layout.world_size * s.chunk_numel, dtype=lease.dtype)
+            overwrite(fresh, part.reshape(-1))
+            flats.append(fresh)
+        else:
+            flats.append(part.contiguous().view(layout.world_size * s.chunk_numel))
     return [unshard(flat, slot) for flat, slot in zip(flats, layout.slots)]
 
 
+class _DeviceWriter:
+    """This module's writes as a :class:`gradpool.writers.BucketWriter`: queued MindSpore ops,
+    the path Ascend runs (``Written.on_host`` False)."""
+
+    pack = staticmethod(pack)
+    accumulate = staticmethod(accumulate)
+    unpack_gathered = staticmethod(unpack_gathered)
+
+
+DEVICE = _DeviceWriter()
+
+
 # -- internals -----------------------------------------------------------------------------------
-def _put(lease: Lease, grads, layout: ReduceScatterLayout, add: bool, host: bool) -> Written:
-    if host and len(grads) == 1 and layout.is_identity() and _host_applies(lease) \
-            and isinstance(grads[0], ms.Tensor):
-        written = _put_one_on_host(lease, grads[0], layout, add)
-        if written is not None:
-            return written
-    _check(lease, grads, layout)
-    on_host = host and _host_applies(lease)
-    if on_host:
-        _host_write(lease, grads, layout, add=add)
-    elif add:
+def _put(lease: Lease, grads, layout: ReduceScatterLayout, add: bool) -> Written:
+    check_write(lease, grads, layout)
+    if add:
         overwrite(lease.tensor, _add_once_rounded(lease.tensor, _assemble(grads, layout)))
     elif layout.is_identity():
         overwrite(lease.tensor, _device_flat(grads[0]))
     else:
         _write_in_place(lease, grads, layout)
     size = itemsize(lease.dtype)
-    return Written(layout.total_numel * size, 0 if add else layout.padding_numel * size, on_host)
+    return Written(layout.total_numel * size, 0 if add else layout.padding_numel * size, False)
 
 
-def _check(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout) -> None:
+def check_write(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout) -> None:
+    """What every writer checks before a pack or accumulate writes anything: a live lease of the
+    layout's size, one materialized tensor per slot of its shape and a supported dtype."""
     lease.tensor  # noqa: B018 - raises LeaseStateError on a released lease
     if len(grads) != len(layout.slots):
         raise LayoutMismatchError(
@@ -241,6 +210,15 @@ def _check(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout
             raise InvalidArgumentError(
                 f"gradient {slot.index} is lazily initialized ({type(grad.init).__name__}) and "
                 "has no memory yet; call its init_data() before packing it")
+    if lease.numel != layout.total_numel:
+        raise LayoutMismatchError(
+            f"lease holds {lease.numel} elements; the layout needs {layout.total_numel}")
+
+
+def check_gathered(lease: Lease, layout: ReduceScatterLayout) -> None:
+    """What every writer checks before reading an all-gather bucket: a live lease of the
+    layout's size."""
+    lease.tensor  # noqa: B018 - raises LeaseStateError on a released lease
     if lease.numel != layout.total_numel:
         raise LayoutMismatchError(
             f"lease holds {lease.numel} elements; the layout needs {layout.total_numel}")
@@ -379,179 +357,3 @@ class _Grid:
         for r in range(rows.start, rows.stop):
             at = r * self.row
             target[at + columns.start:at + columns.stop] = 0
-
-
-def _put_one_on_host(lease: Lease, grad: ms.Tensor, layout: ReduceScatterLayout,
-                     add: bool) -> Optional[Written]:
-    """One gradient into a bucket that is exactly the flat gradient, on a CPU pool: the general
-    path's checks and write in one flat function. None, having written nothing, unless ``grad``
-    is a contiguous CPU tensor of the layout's shape and a supported dtype and the lease holds
-    the layout's elements; the general path then writes it or raises the precise error.
-
-    What an accumulate of one gradient takes, and a pack whose dtype pair has no compiled
-    address writer (:func:`_pack_one_at_addresses`, tried first) or runs without numba: NumPy
-    over the two memories, fewer call levels than the general path's."""
-    if grad.shape != layout.slots[0].shape or lease.numel != layout.total_numel:
-        return None
-    drain_launch_queue()          # as in _host_write: the producer of grad has run
-    bucket = _host_bucket(lease)  # raises LeaseStateError on a released lease
-    src = host_alias(grad, keep_alive=False)     # the caller holds grad while this runs
-    if src is None:
-        return None
-    if not add and src.dtype == bucket.dtype:
-        np.copyto(bucket, src)
-        return Written(layout.total_numel * bucket.dtype.itemsize, 0, True)
-    if np.may_share_memory(bucket, src):
-        # NumPy buffers an overlapping 1-D copy only for negative strides; a cast over its own
-        # source would overwrite elements it has yet to read.
-        src = src.copy()
-    if _write_flat(bucket, src, add) and bucket.dtype.itemsize == 2:
-        canonicalize_nans(bucket)
-    return Written(layout.total_numel * bucket.dtype.itemsize, 0, True)
-
-
-def _pack_one_at_addresses(lease: Lease, grad: ms.Tensor,
-                           layout: ReduceScatterLayout) -> Optional[Written]:
-    """Pack one gradient into a bucket that is exactly the flat gradient, on a CPU pool, with a
-    compiled write between the two memories' addresses (:mod:`gradpool.kernels`). None, having
-    written nothing, unless ``grad`` is a contiguous CPU tensor of the layout's shape, the lease
-    holds the layout's elements and the dtype pair has such a writer; the general path then
-    writes it or raises the precise error.
-
-    The first thing :func:`pack` tries: this is the gradient-by-gradient reduce's every pack and
-    the large gradient's bandwidth path. A copy as large as the core's L2 evicts it and the
-    Python around it runs cold (docs/benchmarks/host-path.md#single-gradient-pack), so it makes
-    only the checks that make the write safe, the gradient's memory as
-    :func:`gradpool.dtypes.host_address` finds it (materialized, CPU, contiguous)."""
-    shape = layout.identity_shape           # None unless the bucket is the flat gradient
-    try:
-        # What Tensor's shape and dtype properties return, read without their Python frames,
-        # which run cold after the last copy (docs/benchmarks/host-path.md#single-gradient-pack).
-        grad_shape, grad_dtype = grad._shape, grad._dtype
-    except AttributeError:        # not a MindSpore tensor: the general path names it
-        return None
-    if shape is None or lease.numel != layout.total_numel or grad_shape != shape:
-        return None
-    writer = host_writer(grad_dtype, lease.dtype)
-    if writer is None or lease.pool.device != "CPU":
-        return None
-    drain_launch_queue()          # as in _host_write: the producer of grad has run
-    dst = lease.host_address()    # raises LeaseStateError on a released lease
-    src = host_address(grad)      # None for a tensor with no memory yet: the general path names it
-    if dst is None or src is None:
-        return None
-    numel = lease.numel
-    nbytes, src_nbytes = numel * writer.dst_itemsize, numel * writer.src_itemsize
-    if src < dst + nbytes and dst < src + src_nbytes:
-        # A gradient over its own bucket: a cast would overwrite elements it has yet to read.
-        staged = np.frombuffer(ctypes.string_at(src, src_nbytes), np.uint8)
-        writer.write(dst, staged.ctypes.data, numel)
-    else:
-        writer.write(dst, src, numel)
-    return Written(nbytes, 0, True)
-
-
-def _host_applies(lease: Lease) -> bool:
-    # Every supported dtype and shard dim has a host path; only the pool's device decides.
-    return lease.pool.device == "CPU"
-
-
-def _host_bucket(lease: Lease) -> np.ndarray:
-    """The lease's elements in its bucket's host memory (a CPU pool's buckets always have it)."""
-    array = lease.host_array()
-    if array is None:
-        raise LeaseStateError(f"{lease!r} has no host memory; use host=False")
-    return array
-
-
-def _host_write(lease: Lease, grads, layout: ReduceScatterLayout, add: bool) -> None:
-    """The CPU path: write (or add) into the bucket's own host memory with NumPy."""
-    # One drain orders the NumPy writes after every queued op that writes the bucket (a pending
-    # poison fill) or writes a gradient (the op that produced it); the views below wait for
-    # nothing.
-    drain_launch_queue()
-    bucket = _host_bucket(lease)
-    if layout.is_identity():
-        # The bucket is the flat gradient: one call, none of the per-chunk bookkeeping (this is
-        # most of a small pack's fixed cost besides taking the two host views).
-        rounded = _write_flat(bucket, _source_array(grads[0]), add)
-    else:
-        rounded = add
-        rows = bucket.reshape(layout.world_size, layout.row_numel)
-        if not add:
-            for start, end in layout.gaps():
-                rows[:, start:end] = 0
-        # NaN and out-of-range values are cast as MindSpore casts them (NaN, inf): NumPy's
-        # warnings about them are noise here.
-        with np.errstate(invalid="ignore", over="ignore"):
-            for slot, grad in zip(layout.slots, grads):
-                src = _source_array(grad)
-                rounded = rounded or src.dtype != bucket.dtype
-                _write_chunks(rows, src, slot, add)
-    if rounded and bucket.dtype.itemsize == 2:
-        canonicalize_nans(bucket)
-
-
-def _write_flat(bucket: np.ndarray, src: np.ndarray, add: bool) -> bool:
-    """Write (or add) flat ``src`` into flat ``bucket`` of the same length; True when the result
-    was rounded into a narrower dtype by NumPy (its NaNs still to canonicalize)."""
-    rounded = add or src.dtype != bucket.dtype
-    if not rounded:
-        np.copyto(bucket, src)
-    elif not add and compiled_cast(bucket, src):
-        rounded = False       # NaNs written canonical already
-    elif not add and (src.dtype, bucket.dtype) in _QUIET_CASTS:
-        np.copyto(bucket, src, casting="unsafe")
-    else:
-        # NaN and out-of-range values are cast as MindSpore casts them (NaN, inf): NumPy's
-        # warnings about them are noise here.
-        with np.errstate(invalid="ignore", over="ignore"):
-            _into(bucket, src, add)
-    return rounded
-
-
-# Casts that raise no floating-point flag for any input (ml_dtypes widens bfloat16 with integer
-# operations), so they need no np.errstate, a noticeable part of a small pack
-# (docs/benchmarks/host-path.md#floating-point-error-state). Narrowing casts
-# flag: float32 -> bfloat16 a signalling NaN (invalid), float32 -> float16 overflow.
-# tests/test_pack_casts.py packs every pattern of each pair with warnings as errors.
-_QUIET_CASTS = frozenset({(np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))})
-
-def _source_array(grad: ms.Tensor) -> np.ndarray:
-    """A gradient's values to read (flat): its memory when it is a contiguous CPU tensor (views
-    that do not span their storage included, which ``asnumpy()`` would copy), else
-    ``host_view``'s copy. The caller holds ``grad`` while it reads."""
-    array = host_alias(grad, keep_alive=False)
-    return array if array is not None else host_view(grad).reshape(-1)
-
-
-def _write_chunks(rows: np.ndarray, src: np.ndarray, slot: GradSlot, add: bool) -> None:
-    """Write ``src`` (of ``slot.shape``) as its W chunks along the shard dim into ``rows``
-    (``[W, row_numel]``) at ``slot.offset``; a chunk's padding past the gradient is zeroed (pack)
-    or left alone (accumulate: it holds the zeros the pack wrote)."""
-    world, chunk, dim = slot.world_size, slot.chunk_size, slot.shard_dim
-    length = slot.shape[dim]
-    outer = math.prod(slot.shape[:dim])
-    inner = slot.numel // (outer * length)
-    src = src.reshape(outer, length, inner)
-    # Splitting the contiguous column range of every row: a view, the writes land in the bucket.
-    dst = rows[:, slot.offset:slot.offset + outer * chunk * inner].reshape(world, outer, chunk,
-                                                                           inner)
-    if length == world * chunk:      # even: one strided write for all ranks
-        _into(dst, src.reshape(outer, world, chunk, inner).transpose(1, 0, 2, 3), add)
-        return
-    for rank in range(world):
-        start = rank * chunk
-        valid = max(0, min(chunk, length - start))
-        if valid:
-            _into(dst[rank, :, :valid], src[:, start:start + valid], add)
-        if valid < chunk and not add:
-            dst[rank, :, valid:] = 0
-
-
-def _into(dst: np.ndarray, src: np.ndarray, add: bool) -> None:
-    if add:
-        # float32 arithmetic whatever the dtypes, rounded once into the bucket's dtype.
-        np.add(dst, src, out=dst, dtype=np.float32, casting="unsafe")
-    else:
-        np.copyto(dst, src, casting="unsafe")

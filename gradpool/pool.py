@@ -13,9 +13,11 @@ Lifetimes:
   completes -> (poisoned with NaN if asked) -> *free*, acquirable again.
 * ``max_buckets_in_flight`` bounds the buckets per dtype whose collective may still be running
   (fenced): an ``acquire`` that finds that many waits for the oldest fence first (a stall).
-* With no free bucket large enough, ``acquire`` allocates, unless that would pass
-  ``max_cached_bytes``: then it waits for a fenced bucket that fits, else evicts idle buckets,
-  else raises :class:`PoolCapacityError` (leaving the pool as it was).
+* ``acquire`` reuses the free bucket :func:`gradpool.reuse.choose` picks (the smallest that
+  holds the request, the first allocated of equals: the rule the memory plan replays). With no
+  free bucket large enough, it allocates, unless that would pass ``max_cached_bytes``: then it
+  waits for a fenced bucket that fits, else evicts idle buckets, else raises
+  :class:`PoolCapacityError` (leaving the pool as it was).
 * Fences: see :meth:`Lease.release`.
 
 Robustness: each bucket's state is one attribute (free, fenced or leased) and every statistic
@@ -39,18 +41,17 @@ import mindspore as ms
 from mindspore import mint
 
 from gradpool.device import SUPPORTED_DEVICES, device_memory_bytes, device_target
-from gradpool.dtypes import (check_dtype, data_pointer, host_alias, is_whole_storage,
-                             is_supported_singleton, itemsize, nan_fill, writable_view)
+from gradpool.dtypes import check_dtype, is_supported_singleton, itemsize, nan_fill, writable_view
 from gradpool.errors import (ForeignLeaseError, InvalidArgumentError, InvalidFenceError,
                              LeaseStateError, PoolCapacityError, check_bool, check_int)
-from gradpool.kernels import compile_host_loops
 from gradpool.layout import round_up
+from gradpool.reuse import FREE, choose
 
 logger = logging.getLogger(__name__)
 
 _pool_ids = itertools.count(1)
 MAX_ALIGNMENT_BYTES = 2 ** 20    # chunk alignment beyond 1 MiB would be padding, not alignment
-_FREE, _FENCED, _LEASED = "free", "fenced", "leased"
+_FREE, _FENCED, _LEASED = FREE, "fenced", "leased"     # FREE: the state gradpool.reuse reuses
 _CHECKED_REQUESTS = 4096     # distinct requests remembered by _checked_capacity
 
 
@@ -142,10 +143,6 @@ class _Bucket:
     fence: Optional[Fence] = None
     fenced_order: int = 0     # FIFO position among fenced buckets (waits go oldest first)
     lease: Optional["Lease"] = None
-    # (data pointer, the allocation's host memory as a NumPy array): CPU pools, built on first
-    # use by Lease.host_array. The array does not keep the tensor alive (this record does); it is
-    # cleared before the storage is released, so no array into freed memory outlives it.
-    host: Any = None
 
     @property
     def nbytes(self) -> int:
@@ -154,7 +151,6 @@ class _Bucket:
 
 def _release_storage(bucket: _Bucket) -> None:
     """The only place gradpool releases storage; it takes a pool record, never a caller tensor."""
-    bucket.host = None
     bucket.tensor.untyped_storage().resize_(0)
 
 
@@ -189,38 +185,12 @@ class Lease:
 
     @property
     def allocation(self) -> ms.Tensor:
-        """The whole flat allocation ``.tensor`` is the prefix of. For writers that address host
-        memory directly (``gradpool.pack``); only ``[0, numel)`` belongs to this lease."""
-        self.tensor  # noqa: B018 - raises on a released lease
-        return self._bucket.tensor
-
-    def host_array(self):
-        """``[0, numel)`` of the allocation's host memory as a NumPy array of the lease's dtype
-        (bfloat16 as ``ml_dtypes.bfloat16``): writes land in the bucket, and nothing is waited
-        for (drain the launch queue first if queued ops may write the bucket). None on a pool
-        whose buckets are not host memory (Ascend). The array is valid while the lease is live."""
-        if self.host_address() is None:
-            return None
-        array = self._bucket.host[1]
-        return array if self.numel == self._bucket.capacity else array[:self.numel]
-
-    def host_address(self) -> Optional[int]:
-        """Where :meth:`host_array` starts (the allocation's host memory), for a compiled write
-        of up to ``numel`` elements; None where ``host_array`` is None. Valid while the lease is
-        live; drain the launch queue before writing there, as for ``host_array``."""
-        bucket = self._bucket
+        """The whole flat allocation ``.tensor`` is the prefix of, for the bucket writers
+        (``gradpool.writers``: the CPU device path writes rows of it, the host writer keys its
+        view of the memory by it); only ``[0, numel)`` belongs to this lease."""
         if self._released:
             self.tensor  # noqa: B018 - raises LeaseStateError
-        # MindSpore may give a tensor new memory (a fused all-gather's receive bucket was seen to
-        # move during a forward with prefetch), so the cached array is checked against the
-        # tensor's data pointer on every call and rebuilt when it moved.
-        pointer = data_pointer(bucket.tensor)
-        host = bucket.host
-        if host is None or host[0] != pointer:
-            if self._pool.device != "CPU" or not is_whole_storage(bucket.tensor):
-                return None
-            bucket.host = (pointer, host_alias(bucket.tensor, keep_alive=False))
-        return pointer
+        return self._bucket.tensor
 
     @property
     def is_whole_bucket(self) -> bool:
@@ -274,7 +244,8 @@ class BucketPool:
         check_int("max_buckets_in_flight", max_buckets_in_flight, 1, nullable=True)
         check_bool("poison_on_release", poison_on_release)
         check_bool("timed_copies", timed_copies)
-        # None: the process's device target. Copies take the NumPy host path only on "CPU".
+        # None: the process's device target. A reducer on a "CPU" pool writes its buckets
+        # through their host memory (gradpool.writers.writer_for).
         self.device = device if device is not None else device_target()
         if self.device not in SUPPORTED_DEVICES:
             raise InvalidArgumentError(
@@ -296,8 +267,6 @@ class BucketPool:
         # abort the process), so the pool's own tensor writes (poisoning, freeing) stay on the
         # thread that made the pool; another thread's stats() or trim() only reads and counts.
         self._owner = threading.get_ident()
-        if self.device == "CPU":
-            compile_host_loops()      # once per process: the first pack compiles nothing
 
     # -- public API -------------------------------------------------------------------------
     def alignment_elements(self, dtype) -> int:
@@ -332,7 +301,7 @@ class BucketPool:
                 self._wait_for(self._oldest_fenced(dtype))
             self._adopted = ()          # what this acquire allocates (see _adopt)
             try:
-                bucket = self._take_free(dtype, numel)
+                bucket = choose(self._buckets, numel, dtype)      # gradpool.reuse's rule
                 if bucket is None:
                     bucket = self._grow(numel, dtype, capacity)   # may wait for one in flight
                 reused = bucket not in self._adopted       # identity: _Bucket has eq=False
@@ -491,16 +460,6 @@ class BucketPool:
         if fresh:
             self._buckets = [b for b in self._buckets if all(b is not f for f in fresh)]
             self._stats.new_allocations -= len(fresh)
-
-    def _take_free(self, dtype, numel: int) -> Optional[_Bucket]:
-        """The smallest free bucket of ``dtype`` that holds ``numel`` (the first of equals)."""
-        best = None
-        for b in self._buckets:
-            if b.state == _FREE and b.capacity >= numel \
-                    and (best is None or b.capacity < best.capacity) \
-                    and (b.dtype is dtype or b.dtype == dtype):
-                best = b
-        return best
 
     def _grow(self, numel: int, dtype, capacity: int) -> _Bucket:
         nbytes = capacity * itemsize(dtype)

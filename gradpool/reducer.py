@@ -36,6 +36,7 @@ from gradpool.errors import (InvalidArgumentError, LayoutMismatchError, LeaseSta
                              check_bool, check_positive_number)
 from gradpool.layout import ReduceScatterLayout, fusion_groups
 from gradpool.pool import BucketPool, Lease, as_fence, fence_done
+from gradpool.writers import writer_for
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ReducerConfig:
     """How gradients are reduced. ``reduce_dtype=None`` reduces in each gradient's own dtype.
-    ``host_copies``: pack with NumPy through host memory where that applies (CPU pools, NumPy
-    dtypes); False forces the device path, which is the one Ascend takes."""
+    ``host_copies``: write a CPU pool's buckets through their host memory (the host writer);
+    False forces the device writer, the path Ascend takes."""
 
     reduce_dtype: Any = None
     comm_fusion: bool = False
@@ -219,6 +220,7 @@ class GradReducer:
         self.pool = pool
         self.comm = comm
         self.config = config
+        self.writer = writer_for(pool.device, config.host_copies)   # chosen once, for the pool
         self.replicate_comm = replicate_comm \
             if replicate_comm is not None and replicate_comm.world_size > 1 else None
         self.borrows = 0      # gradients the collective read in place (zero-copy)
@@ -286,7 +288,7 @@ class GradReducer:
                         f"gradient {index} has shape {tuple(grads[index].shape)}; it was packed "
                         f"as {slot.shape}")
         for bucket in buckets:
-            self._copy_in(packing.accumulate, bucket.lease,
+            self._copy_in(self.writer.accumulate, bucket.lease,
                           [grads[i] for i in bucket.indices], bucket.layout)
 
     def launch(self, buckets: list[PackedBucket], op: str = "avg", count: Optional[int] = None,
@@ -390,7 +392,7 @@ class GradReducer:
             self.borrows += 1
             return PackedBucket(indices, layout, dtype, borrowed=packing.flat_view(members[0]))
         lease = self.pool.acquire(layout.total_numel, dtype, holder=taken)
-        self._copy_in(packing.pack, lease, members, layout)
+        self._copy_in(self.writer.pack, lease, members, layout)
         return PackedBucket(indices, layout, dtype, lease=lease)
 
     def _launch_one(self, result: ReduceResult, bucket: PackedBucket, op: str,
@@ -427,7 +429,7 @@ class GradReducer:
         if timed:
             synchronize()       # so the clock measures this copy, not backward work still queued
         start = time.perf_counter()
-        written = write(lease, grads, layout, host=self.config.host_copies)
+        written = write(lease, grads, layout)
         if timed and not written.on_host:
             synchronize()       # device writes are queued; NumPy writes are done on return
         self.pool.record_copy(written.nbytes, time.perf_counter() - start, written.padding_bytes)

@@ -15,7 +15,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 
-from gradpool import pack as packing
+from gradpool import writers
 from gradpool.dtypes import itemsize
 from gradpool.errors import LayoutMismatchError, LeaseStateError
 from gradpool.layout import ReduceScatterLayout
@@ -86,11 +86,11 @@ def test_micro_steps_accumulate_exactly(world, bucket_name, grad_name, dims, hos
         vals, tensors = grads_of(step, grad)
         before = [raw_bytes(t) for t in tensors]
         if step == 0:
-            written = packing.pack(lease, tensors, layout, host=host)
+            written = writers.pack(lease, tensors, layout, host=host)
             expected = round_to(np_pack(vals, layout), bucket)
             assert written.padding_bytes == layout.padding_numel * size
         else:
-            written = packing.accumulate(lease, tensors, layout, host=host)
+            written = writers.accumulate(lease, tensors, layout, host=host)
             expected = add_rounded(expected, np_pack(vals, layout), bucket)
             assert written.padding_bytes == 0          # an accumulate adds, it pads nothing
         assert written.nbytes == layout.total_numel * size
@@ -114,10 +114,10 @@ def test_mixed_gradient_dtypes_in_one_bucket(world, host):
         for step in range(MICRO_STEPS):
             vals, tensors = grads_of(step, mixed)
             if step == 0:
-                written = packing.pack(lease, tensors, layout, host=host)
+                written = writers.pack(lease, tensors, layout, host=host)
                 expected = round_to(np_pack(vals, layout), bucket)
             else:
-                written = packing.accumulate(lease, tensors, layout, host=host)
+                written = writers.accumulate(lease, tensors, layout, host=host)
                 expected = add_rounded(expected, np_pack(vals, layout), bucket)
             assert written.on_host is host
             assert_bucket_is(lease, expected, bucket)
@@ -136,8 +136,8 @@ def test_float16_micro_steps_into_float32_bucket_take_the_host_path(bucket_name,
     lease = pool.acquire(layout.total_numel, bucket)
     vals0, t0 = grads_of(0, grad)
     vals1, t1 = grads_of(1, grad)
-    assert packing.pack(lease, t0, layout, host=host).on_host is host
-    assert packing.accumulate(lease, t1, layout, host=host).on_host is host
+    assert writers.pack(lease, t0, layout, host=host).on_host is host
+    assert writers.accumulate(lease, t1, layout, host=host).on_host is host
     assert_bucket_is(lease, add_rounded(round_to(np_pack(vals0, layout), bucket),
                                         np_pack(vals1, layout), bucket), bucket)
 
@@ -153,9 +153,9 @@ def test_identity_layout_accumulates(host):
     lease = poisoned_lease(pool, layout.total_numel, ms.float32)
     vals0, t0 = grads_of(0, ms.float32, shapes)
     vals1, t1 = grads_of(1, ms.float32, shapes)
-    packing.pack(lease, t0, layout, host=host)
+    writers.pack(lease, t0, layout, host=host)
     assert_bucket_is(lease, np_pack(vals0, layout).astype(np.float32), ms.float32)
-    packing.accumulate(lease, t1, layout, host=host)
+    writers.accumulate(lease, t1, layout, host=host)
     assert_bucket_is(lease, add_rounded(np_pack(vals0, layout), np_pack(vals1, layout),
                                         ms.float32), ms.float32)
 
@@ -166,18 +166,18 @@ def test_accumulate_checks_before_writing(host):
     layout = ReduceScatterLayout.build(SHAPES, 2, pool.alignment_elements(ms.float32))
     lease = pool.acquire(layout.total_numel, ms.float32)
     vals, tensors = grads_of(0, ms.float32)
-    packing.pack(lease, tensors, layout, host=host)
+    writers.pack(lease, tensors, layout, host=host)
     before = raw_bytes(lease.tensor)
     with pytest.raises(LayoutMismatchError, match="got 5 gradients for a layout of 6"):
-        packing.accumulate(lease, tensors[:5], layout, host=host)
+        writers.accumulate(lease, tensors[:5], layout, host=host)
     wrong = tensors[:1] + [ms.Tensor(np.ones((4,), np.float32))] + tensors[2:]
     with pytest.raises(LayoutMismatchError, match=r"gradient 1 has shape \(4,\)"):
-        packing.accumulate(lease, wrong, layout, host=host)
+        writers.accumulate(lease, wrong, layout, host=host)
     other = ReduceScatterLayout.build(SHAPES, 3, pool.alignment_elements(ms.float32))
     if other.total_numel != layout.total_numel:
         with pytest.raises(LayoutMismatchError, match="lease holds"):
-            packing.accumulate(lease, tensors, other, host=host)
+            writers.accumulate(lease, tensors, other, host=host)
     assert raw_bytes(lease.tensor) == before
     lease.release()
     with pytest.raises(LeaseStateError):
-        packing.accumulate(lease, tensors, layout, host=host)
+        writers.accumulate(lease, tensors, layout, host=host)

@@ -1,8 +1,9 @@
 """The layering of gradpool, enforced on the source: imports only point down.
 
-Bottom up: errors, kernels; layout, dtypes, device; pool | comm (siblings); pack; reducer;
-runtime and testing. hyper_parallel sits on top and imports gradpool only through its root; gradpool.app,
-the CLI and the benchmarks runner sit on top of both.
+Bottom up: errors; layout, reuse, dtypes, device; pool | comm | gathered (siblings); pack (the
+device writer); host (the CPU host writer: kernels, views, writer); writers; reducer; runtime and
+testing. hyper_parallel sits on top and imports gradpool only through its root; gradpool.app, the
+CLI and the benchmarks runner sit on top of both.
 """
 import ast
 import re
@@ -12,9 +13,13 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CORE = ROOT / "gradpool"
-# A core module may import only core modules of a strictly lower layer.
-LAYER = {"errors": 0, "kernels": 0, "layout": 1, "dtypes": 1, "device": 1, "pool": 2, "comm": 2, "gathered": 2,
-         "pack": 3, "reducer": 4, "runtime": 5, "testing": 5}
+HOST = CORE / "host"
+# A core module (or subpackage, "host") may import only core modules of a strictly lower layer.
+LAYER = {"errors": 0, "layout": 1, "reuse": 1, "dtypes": 1, "device": 1, "pool": 2, "comm": 2,
+         "gathered": 2, "pack": 3, "host": 4, "writers": 5, "reducer": 6, "runtime": 7,
+         "testing": 7}
+# Inside the host subpackage, the same rule among its modules.
+HOST_LAYER = {"kernels": 0, "views": 1, "writer": 2}
 ABOVE_CORE = ("hyper_parallel", "gradpool.app", "benchmarks")
 
 
@@ -41,8 +46,13 @@ def core_files():
     return sorted(p for p in CORE.glob("*.py") if p.stem not in ("__init__", "__main__"))
 
 
+def host_files():
+    return sorted(p for p in HOST.glob("*.py") if p.stem != "__init__")
+
+
 def test_every_core_module_has_a_layer():
-    assert {p.stem for p in core_files()} == set(LAYER)
+    assert {p.stem for p in core_files()} | {HOST.name} == set(LAYER)
+    assert {p.stem for p in host_files()} == set(HOST_LAYER)
 
 
 @pytest.mark.parametrize("path", core_files(), ids=lambda p: p.stem)
@@ -57,6 +67,34 @@ def test_core_imports_point_down(path):
             f"{path.name} (layer {mine}) imports {module} (layer {LAYER[parts[1]]})"
 
 
+@pytest.mark.parametrize("path", host_files(), ids=lambda p: p.stem)
+def test_host_imports_point_down(path):
+    """The host subpackage imports the core's lower layers, and its own lower modules."""
+    mine = HOST_LAYER[path.stem]
+    for module in imported_modules(path):
+        parts = module.split(".")
+        assert not module.startswith(ABOVE_CORE), f"host/{path.name} imports {module}"
+        if parts[0] != "gradpool" or len(parts) < 2:
+            continue
+        if parts[1] == "host":
+            if len(parts) > 2 and parts[2] in HOST_LAYER:
+                assert HOST_LAYER[parts[2]] < mine, f"host/{path.name} imports {module}"
+            continue
+        assert parts[1] in LAYER and LAYER[parts[1]] < LAYER["host"], \
+            f"host/{path.name} imports {module} (layer {LAYER.get(parts[1])})"
+
+
+def test_the_pool_knows_no_host_path():
+    """Where a bucket is written is the writers' business: the pool imports neither the host
+    subpackage nor the writers, and its records hold no host memory."""
+    for module in imported_modules(CORE / "pool.py"):
+        assert not module.startswith(("gradpool.host", "gradpool.writers", "gradpool.pack",
+                                      "numpy", "ml_dtypes", "numba")), module
+    source = (CORE / "pool.py").read_text()
+    for name in ("host_array", "host_address", "host_alias", "compile_host_loops", "asnumpy"):
+        assert name not in source, name
+
+
 def test_pool_and_comm_do_not_know_each_other():
     assert not any(m.startswith("gradpool.comm") for m in imported_modules(CORE / "pool.py"))
     assert not any(m.startswith("gradpool.pool") for m in imported_modules(CORE / "comm.py"))
@@ -69,9 +107,15 @@ def test_layout_is_pure_python():
             assert module.startswith("gradpool.errors"), module
 
 
+def test_reuse_is_pure_python():
+    """The bucket reuse rule, shared by the pool and the memory plan, needs no device."""
+    for module in imported_modules(CORE / "reuse.py"):
+        assert not module.startswith(("mindspore", "numpy", "gradpool")), module
+
+
 def test_kernels_are_numpy_and_numba_only():
     """The compiled loops work on addresses and NumPy arrays: no MindSpore, no gradpool."""
-    for module in imported_modules(CORE / "kernels.py"):
+    for module in imported_modules(HOST / "kernels.py"):
         assert not module.startswith(("mindspore", "gradpool")), module
 
 
@@ -121,7 +165,7 @@ def _comments_and_docstrings(path: pathlib.Path):
                 yield getattr(node, "lineno", 1), doc
 
 
-@pytest.mark.parametrize("path", core_files(), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", core_files() + host_files(), ids=lambda p: p.stem)
 def test_core_comments_hold_no_machine_figures(path):
     """Timings of a particular machine go stale in a comment: they live in docs/benchmarks/
     (host-path.md), and the comment says why in words."""

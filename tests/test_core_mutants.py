@@ -116,7 +116,7 @@ def test_canonicalize_nans_edge_cases():
     """No-op for float32 and empty arrays; a one-element array is canonicalized too."""
     import ml_dtypes
     import numpy as np
-    from gradpool.dtypes import canonicalize_nans
+    from gradpool.host.views import canonicalize_nans
     f32 = np.array([np.nan, 1.0], np.float32)
     before = f32.tobytes()
     canonicalize_nans(f32)
@@ -137,7 +137,7 @@ def test_device_pack_into_a_prefix_of_a_larger_recycled_bucket():
     leave the rest of the bucket alone."""
     import mindspore as ms
     import numpy as np
-    from gradpool import pack as packing
+    from gradpool import writers
     from gradpool.dtypes import itemsize
     from gradpool.pool import BucketPool
     from npref import normal, np_pack, raw_bytes, round_to, values
@@ -151,7 +151,7 @@ def test_device_pack_into_a_prefix_of_a_larger_recycled_bucket():
         tail_before = raw_bytes(lease.allocation)[used:]
         rng = np.random.default_rng(5)
         raw = [normal(rng, (7, 3)), normal(rng, (5,))]
-        packing.pack(lease, [ms.Tensor(v) for v in raw], layout, host=False)
+        writers.pack(lease, [ms.Tensor(v) for v in raw], layout, host=False)
         np.testing.assert_array_equal(values(lease.tensor), round_to(np_pack(raw, layout), dtype))
         assert raw_bytes(lease.allocation)[used:] == tail_before
         lease.release()
@@ -188,12 +188,13 @@ def test_host_false_never_takes_the_numpy_path(call, monkeypatch):
     on a CPU pool must. Both give NumPy's values."""
     import mindspore as ms
     import numpy as np
-    from gradpool import pack as packing
-    from gradpool.pool import BucketPool, Lease
+    from gradpool import writers
+    from gradpool.host.writer import HostWriter
+    from gradpool.pool import BucketPool
     from npref import normal, np_pack, values
-    # The host path's entry points: pack/accumulate write through _host_write, unpack_gathered
-    # reads the bucket's host memory (Lease.host_array).
-    owner, hook = (Lease, "host_array") if call == "unpack_gathered" else (packing, "_host_write")
+    # The host writer's entry points: pack/accumulate write through _write, unpack_gathered
+    # reads the bucket's host memory (bucket_array).
+    owner, hook = (HostWriter, "bucket_array" if call == "unpack_gathered" else "_write")
     layout = ReduceScatterLayout.build([(4, 3), (5,)], 2, 1)
     rng = np.random.default_rng(3)
     raw = [normal(rng, (4, 3)), normal(rng, (5,))]
@@ -202,16 +203,16 @@ def test_host_false_never_takes_the_numpy_path(call, monkeypatch):
                                                                     ms.float32)
         grads = [ms.Tensor(r) for r in raw]
         if call != "pack":
-            packing.pack(lease, grads, layout, host=False)
+            writers.pack(lease, grads, layout, host=False)
         calls = []
         real = getattr(owner, hook)
         monkeypatch.setattr(owner, hook, lambda *a, **k: calls.append(a) or real(*a, **k))
         if call == "unpack_gathered":
-            out = packing.unpack_gathered(lease, layout, host=host)
+            out = writers.unpack_gathered(lease, layout, host=host)
             for tensor, r in zip(out, raw):
                 np.testing.assert_array_equal(values(tensor), r)
         else:
-            written = getattr(packing, call)(lease, grads, layout, host=host)
+            written = getattr(writers, call)(lease, grads, layout, host=host)
             assert written.on_host is host
             times = 2 if call == "accumulate" else 1
             np.testing.assert_array_equal(values(lease.tensor),
@@ -225,15 +226,15 @@ def test_host_false_never_takes_the_numpy_path(call, monkeypatch):
 def test_unpack_gathered_of_a_whole_bucket_keeps_the_dtype(host):
     import mindspore as ms
     import numpy as np
-    from gradpool import pack as packing
+    from gradpool import writers
     from gradpool.pool import BucketPool
     from npref import normal, round_to, values
     layout = ReduceScatterLayout.build([(4, 6)], 2, 1)
     for dtype in (ms.float32, ms.float16, ms.bfloat16):
         full = normal(np.random.default_rng(1), (4, 6))
         lease = BucketPool(device="CPU", alignment_bytes=4).acquire(layout.total_numel, dtype)
-        packing.pack(lease, [ms.Tensor(full).astype(dtype)], layout, host=host)
-        out, = packing.unpack_gathered(lease, layout, host=host)
+        writers.pack(lease, [ms.Tensor(full).astype(dtype)], layout, host=host)
+        out, = writers.unpack_gathered(lease, layout, host=host)
         assert out.dtype == dtype and tuple(out.shape) == (4, 6)
         np.testing.assert_array_equal(values(out), round_to(full, dtype))
         lease.release()
@@ -255,7 +256,7 @@ def test_device_pack_of_a_non_contiguous_dim1_gradient(shape):
     Ascend takes, which chunks it with a view)."""
     import mindspore as ms
     import numpy as np
-    from gradpool import pack as packing
+    from gradpool import writers
     from gradpool.pool import BucketPool
     from npref import normal, np_pack, values
     raw = normal(np.random.default_rng(4), shape[::-1])
@@ -263,7 +264,7 @@ def test_device_pack_of_a_non_contiguous_dim1_gradient(shape):
     assert not grad.is_contiguous()
     layout = ReduceScatterLayout.build([shape], 2, 1, [1])
     lease = BucketPool(device="CPU", alignment_bytes=4).acquire(layout.total_numel, ms.float32)
-    packing.pack(lease, [grad], layout, host=False)
+    writers.pack(lease, [grad], layout, host=False)
     np.testing.assert_array_equal(values(lease.tensor), np_pack([raw.T], layout))
     lease.release()
 
@@ -283,7 +284,7 @@ def test_host_accumulate_of_nans_writes_mindspore_s_bits(shape):
     same bits on the host path as on the device path (MindSpore's canonical NaN)."""
     import mindspore as ms
     import numpy as np
-    from gradpool import pack as packing
+    from gradpool import writers
     from gradpool.pool import BucketPool
     from npref import raw_bytes
     data = _nan_payload_data()[:shape[0]]
@@ -292,8 +293,8 @@ def test_host_accumulate_of_nans_writes_mindspore_s_bits(shape):
     for host in (True, False):
         lease = BucketPool(device="CPU", alignment_bytes=4).acquire(layout.total_numel,
                                                                     ms.float16)
-        packing.pack(lease, [ms.Tensor(np.ones(shape, np.float16))], layout, host=host)
-        packing.accumulate(lease, [ms.Tensor(data.copy())], layout, host=host)
+        writers.pack(lease, [ms.Tensor(np.ones(shape, np.float16))], layout, host=host)
+        writers.accumulate(lease, [ms.Tensor(data.copy())], layout, host=host)
         out[host] = raw_bytes(lease.tensor)
         lease.release()
     assert out[True] == out[False]
@@ -307,7 +308,7 @@ def test_host_writes_raise_no_numpy_warnings_on_overflow_and_nan(shape):
     import warnings
     import mindspore as ms
     import numpy as np
-    from gradpool import pack as packing
+    from gradpool import writers
     from gradpool.pool import BucketPool
     from npref import raw_bytes
     big = np.array([7e4, -7e4, np.inf, 1.0, 2.0, -np.inf, 3.0, 1e6], np.float32)[:shape[0]]
@@ -319,8 +320,8 @@ def test_host_writes_raise_no_numpy_warnings_on_overflow_and_nan(shape):
                                                                     ms.float16)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            packing.pack(lease, [ms.Tensor(big)], layout, host=host)          # overflow
-            packing.accumulate(lease, [ms.Tensor(neg)], layout, host=host)    # inf + -inf
+            writers.pack(lease, [ms.Tensor(big)], layout, host=host)          # overflow
+            writers.accumulate(lease, [ms.Tensor(neg)], layout, host=host)    # inf + -inf
         out[host] = raw_bytes(lease.tensor)
         lease.release()
     assert out[True] == out[False]
@@ -494,7 +495,7 @@ def test_same_dtype_pack_is_a_bit_copy_nans_included(dtype, host):
     NaN payloads included, lands as it was (NumPy's pack of the raw bits is the reference)."""
     import mindspore as ms
     import numpy as np
-    from gradpool import pack as packing
+    from gradpool import writers
     from gradpool.pool import BucketPool
     from npref import raw_bytes
     ms_dtype = getattr(ms, dtype)
@@ -503,7 +504,7 @@ def test_same_dtype_pack_is_a_bit_copy_nans_included(dtype, host):
     grads = [ms.Tensor(b.view(np.int16)).view(ms_dtype) for b in bits]
     layout = ReduceScatterLayout.build(shapes, 2, 2)
     lease = BucketPool(device="CPU", alignment_bytes=4).acquire(layout.total_numel, ms_dtype)
-    packing.pack(lease, grads, layout, host=host)
+    writers.pack(lease, grads, layout, host=host)
     expected = np_pack_bits(bits, layout)
     assert raw_bytes(lease.tensor) == expected.tobytes()
     lease.release()
@@ -525,8 +526,8 @@ def test_accumulate_adds_onto_everything_the_bucket_holds(dtype, host):
     values written straight into its memory, on both write paths."""
     import mindspore as ms
     import numpy as np
-    from gradpool import pack as packing
-    from gradpool.dtypes import host_view
+    from gradpool import writers
+    from gradpool.host.views import host_view
     from gradpool.pool import BucketPool
     from npref import add_rounded, normal, np_pack, round_to, values
     ms_dtype = getattr(ms, dtype)
@@ -538,7 +539,7 @@ def test_accumulate_adds_onto_everything_the_bucket_holds(dtype, host):
     held = round_to(normal(rng, (layout.total_numel,)), dtype)
     host_view(lease.allocation)[:layout.total_numel] = held      # CPU: the bucket's memory
     raw = [normal(rng, s) for s in shapes]
-    packing.accumulate(lease, [ms.Tensor(r) for r in raw], layout, host=host)
+    writers.accumulate(lease, [ms.Tensor(r) for r in raw], layout, host=host)
     np.testing.assert_array_equal(values(lease.tensor),
                                   add_rounded(held, np_pack(raw, layout), dtype))
     lease.release()
@@ -565,52 +566,78 @@ def test_cpu_flat_view_of_a_whole_storage_tensor_queues_no_view_op(monkeypatch):
 
 
 
-def test_host_array_neither_keeps_buckets_alive_nor_outlives_their_storage():
-    """The pool keeps each bucket's host array on the bucket's record; a dropped pool's bucket
-    must still be freed (the array does not hold the tensor), and a trimmed bucket's array must
-    be gone before its storage is (no array into freed memory)."""
+def test_host_views_neither_keep_buckets_alive_nor_outlive_their_allocation():
+    """The host writer keeps one host view per allocation, weakly: a dropped pool's bucket must
+    still be freed (the view does not hold the tensor) and its view goes with it; a trimmed
+    bucket's view is never written through again (its storage's pointer is no longer the
+    view's, so the writer would rebuild it, and a released storage has no view to build)."""
     import gc
     import weakref
     import mindspore as ms
     import numpy as np
-    from gradpool import pack as packing
+    from gradpool import writers
+    from gradpool.dtypes import data_pointer
+    from gradpool.host.writer import host_writer
     from gradpool.pool import BucketPool
     from npref import normal, np_pack, values
+    views = host_writer()._views
     layout = ReduceScatterLayout.build([(5, 3), (4,)], 2, 1)
     raw = [normal(np.random.default_rng(33), s) for s in ((5, 3), (4,))]
     pool = BucketPool(device="CPU", alignment_bytes=4)
     lease = pool.acquire(layout.total_numel, ms.float32)
-    packing.pack(lease, [ms.Tensor(r) for r in raw], layout, host=True)
+    writers.pack(lease, [ms.Tensor(r) for r in raw], layout, host=True)
     np.testing.assert_array_equal(values(lease.tensor), np_pack(raw, layout, "float32"))
-    record = pool._buckets[0]
-    assert record.host is not None and record.host[1].ctypes.data == lease.allocation.data_ptr()
+    trimmed = lease.allocation
+    assert views[id(trimmed)][1].ctypes.data == trimmed.data_ptr() == views[id(trimmed)][0]
     lease.release()
     assert pool.trim() > 0
-    assert record.host is None, "a trimmed bucket kept its host array"
+    assert data_pointer(trimmed) != views[id(trimmed)][0], "a trimmed bucket kept its view"
+    del trimmed
     lease = pool.acquire(layout.total_numel, ms.float32)
-    packing.pack(lease, [ms.Tensor(r) for r in raw], layout, host=True)
-    allocation = weakref.ref(lease.allocation)
+    writers.pack(lease, [ms.Tensor(r) for r in raw], layout, host=True)
+    allocation, key = weakref.ref(lease.allocation), id(lease.allocation)
+    assert key in views
     lease.release()
-    del lease, pool, record
+    del lease, pool
     gc.collect()
-    assert allocation() is None, "the host array kept a dropped pool's bucket alive"
+    assert allocation() is None, "the host view kept a dropped pool's bucket alive"
+    assert key not in views, "a freed bucket's host view outlived it"
 
 
-def test_host_array_refuses_a_released_lease_and_a_device_pool():
+def test_bucket_array_is_the_bucket_and_refuses_a_released_lease():
     import mindspore as ms
     from gradpool.errors import LeaseStateError
+    from gradpool.host.writer import host_writer
     from gradpool.pool import BucketPool
     pool = BucketPool(device="CPU", alignment_bytes=4)
     lease = pool.acquire(6, ms.float32)
-    array = lease.host_array()
+    array = host_writer().bucket_array(lease)
     assert array.shape == (6,) and array.ctypes.data == lease.allocation.data_ptr()
     array[:] = 3.0
     assert (lease.tensor.asnumpy() == 3.0).all()      # writes land in the bucket
     lease.release()
     with pytest.raises(LeaseStateError, match="released"):
-        lease.host_array()
-    assert BucketPool(device="Ascend", alignment_bytes=4).acquire(6, ms.float32).host_array() \
-        is None
+        host_writer().bucket_array(lease)
+
+
+def test_the_writer_is_chosen_by_the_pool_device_and_host_copies():
+    """The host writer only for a CPU pool with host copies on; the device writer otherwise
+    (Ascend, and the device path tested on CPU). A reducer chooses once, when it is made."""
+    import mindspore as ms
+    from gradpool.comm import SingleProcessCommunicator
+    from gradpool.host.writer import HostWriter, host_writer
+    from gradpool.pack import DEVICE
+    from gradpool.pool import BucketPool
+    from gradpool.reducer import GradReducer, ReducerConfig
+    from gradpool.writers import writer_for
+    assert isinstance(writer_for("CPU"), HostWriter) and writer_for("CPU") is host_writer()
+    assert writer_for("CPU", host=False) is DEVICE
+    assert writer_for("Ascend") is DEVICE and writer_for("Ascend", host=False) is DEVICE
+    for device, host, want in (("CPU", True, host_writer()), ("CPU", False, DEVICE),
+                               ("Ascend", True, DEVICE)):
+        reducer = GradReducer(BucketPool(device=device), SingleProcessCommunicator(),
+                              ReducerConfig(reduce_dtype=ms.float32, host_copies=host))
+        assert reducer.writer is want, (device, host)
 
 
 # -- reducer: a second rank simulated in-process ---------------------------------------------------
@@ -782,14 +809,14 @@ def test_a_launch_that_raises_surfaces_its_error_and_leaks_no_lease():
 
 
 def test_a_pack_that_raises_leaks_no_lease(monkeypatch):
-    from gradpool import pack as packing
+    import types
     raw, grads = _random_grads([(4, 3), (6,)], 26)
     reducer = _reducer(_PeerScaled())
 
     def broken_pack(*args, **kwargs):
         raise RuntimeError("pack failed")
 
-    monkeypatch.setattr(packing, "pack", broken_pack)
+    monkeypatch.setattr(reducer, "writer", types.SimpleNamespace(pack=broken_pack))
     with pytest.raises(RuntimeError, match="pack failed"):
         reducer.reduce_scatter(grads, op="sum")
     monkeypatch.undo()
@@ -820,7 +847,7 @@ def _reference_kernel(calls):
     import numpy as np
 
     def kernel(words, out, stream_from_bytes):
-        from gradpool.kernels import STREAM_FROM_BYTES
+        from gradpool.host.kernels import STREAM_FROM_BYTES
         assert stream_from_bytes == STREAM_FROM_BYTES
         assert (words.dtype, out.dtype, words.ndim, out.ndim) == (np.uint32, np.uint16, 1, 1)
         assert words.size == out.size
@@ -834,14 +861,14 @@ def _reference_kernel(calls):
 def test_compiled_cast_writes_only_a_contiguous_float32_to_bfloat16_pair(monkeypatch):
     import ml_dtypes
     import numpy as np
-    from gradpool import dtypes, kernels
+    from gradpool.host import kernels, views
     calls = []
     monkeypatch.setattr(kernels, "bfloat16_kernel", lambda: _reference_kernel(calls))
     rng = np.random.default_rng(31)
     src = rng.standard_normal((3, 4)).astype(np.float32)
     src[0, 1], src[1, 2], src[2, 3] = np.nan, np.inf, -np.nan
     dst = np.zeros((3, 4), ml_dtypes.bfloat16)
-    assert dtypes.compiled_cast(dst, src) is True
+    assert views.compiled_cast(dst, src) is True
     expected = src.astype(ml_dtypes.bfloat16).view(np.uint16)
     expected[np.isnan(src)] = 0x7FC0
     np.testing.assert_array_equal(dst.view(np.uint16), expected)
@@ -856,7 +883,7 @@ def test_compiled_cast_writes_only_a_contiguous_float32_to_bfloat16_pair(monkeyp
     ]
     for out, values in refused:
         before = out.copy()
-        assert dtypes.compiled_cast(out, values) is False
+        assert views.compiled_cast(out, values) is False
         np.testing.assert_array_equal(out.view(np.uint16), before.view(np.uint16))
     assert calls == [12]
 
@@ -867,16 +894,16 @@ def test_compiled_cast_without_numba_writes_nothing(monkeypatch, caplog):
     import sys
     import ml_dtypes
     import numpy as np
-    from gradpool import dtypes, kernels
+    from gradpool.host import kernels, views
     monkeypatch.setitem(sys.modules, "numba", None)      # import numba raises ImportError
     kernels.bfloat16_kernel.cache_clear()
     kernels._address_writers.cache_clear()
     kernels.compile_host_loops.cache_clear()
     try:
         dst = np.zeros(4, ml_dtypes.bfloat16)
-        with caplog.at_level("WARNING", logger="gradpool.kernels"):
-            assert dtypes.compiled_cast(dst, np.ones(4, np.float32)) is False
-            assert dtypes.compiled_cast(dst, np.ones(4, np.float32)) is False
+        with caplog.at_level("WARNING", logger="gradpool.host.kernels"):
+            assert views.compiled_cast(dst, np.ones(4, np.float32)) is False
+            assert views.compiled_cast(dst, np.ones(4, np.float32)) is False
             assert kernels.address_writer("float32", "bfloat16") is None
             assert kernels.address_writer("float32", "float32") is None
             assert kernels.compile_host_loops() is False
@@ -895,7 +922,7 @@ def test_host_view_is_the_memory_of_a_whole_tensor_and_a_copy_of_a_part(dtype):
     the tensor); a view of part of a storage is read through a copy (a write does not)."""
     import mindspore as ms
     import numpy as np
-    from gradpool.dtypes import host_view
+    from gradpool.host.views import host_view
     from npref import round_to, values
     raw = round_to(np.random.default_rng(32).standard_normal(8), dtype)
     whole = ms.Tensor(raw).astype(getattr(ms, dtype))
@@ -1043,7 +1070,7 @@ def test_identity_layout_pack_then_accumulate_on_the_host(grad_dtype, bucket_dty
     (NumPy's float32 sum rounded once is the reference)."""
     import mindspore as ms
     import numpy as np
-    from gradpool import pack as packing
+    from gradpool import writers
     from gradpool.pool import BucketPool
     from npref import add_rounded, normal, round_to, values
     layout = ReduceScatterLayout.build([(8, 4)], 2, 1)
@@ -1056,10 +1083,10 @@ def test_identity_layout_pack_then_accumulate_on_the_host(grad_dtype, bucket_dty
     def as_grad(array):
         return ms.Tensor(array).astype(getattr(ms, grad_dtype))
 
-    assert packing.pack(lease, [as_grad(first)], layout, host=True).on_host
+    assert writers.pack(lease, [as_grad(first)], layout, host=True).on_host
     packed = round_to(first.reshape(-1), bucket_dtype)
     np.testing.assert_array_equal(values(lease.tensor), packed)
-    packing.accumulate(lease, [as_grad(second)], layout, host=True)
+    writers.accumulate(lease, [as_grad(second)], layout, host=True)
     np.testing.assert_array_equal(values(lease.tensor),
                                   add_rounded(packed, second.reshape(-1), bucket_dtype))
     lease.release()
@@ -1067,7 +1094,7 @@ def test_identity_layout_pack_then_accumulate_on_the_host(grad_dtype, bucket_dty
 
 def _recorded_address_writers(monkeypatch, calls):
     """The real compiled address writers, each call recorded as (src dtype, dst dtype, numel)."""
-    from gradpool import dtypes, kernels
+    from gradpool.host import kernels, views
     real = kernels.address_writer
 
     def recording(src, dst):
@@ -1080,14 +1107,14 @@ def _recorded_address_writers(monkeypatch, calls):
             write(dst_address, src_address, numel)
         return recorded
     monkeypatch.setattr(kernels, "address_writer", recording)
-    monkeypatch.setattr(dtypes, "_WRITERS", {})
+    monkeypatch.setattr(views, "_WRITERS", {})
 
 
 def _without_address_writers(monkeypatch):
     """No compiled address writer for any pair (as without numba): the NumPy host path."""
-    from gradpool import dtypes, kernels
+    from gradpool.host import kernels, views
     monkeypatch.setattr(kernels, "address_writer", lambda src, dst: None)
-    monkeypatch.setattr(dtypes, "_WRITERS", {})
+    monkeypatch.setattr(views, "_WRITERS", {})
 
 
 _WRITER_PAIRS = [("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"),
@@ -1101,7 +1128,7 @@ def test_the_address_writers_serve_a_pack_never_an_accumulate(monkeypatch, grad_
     compiled address writer; an accumulate must add, so it never does."""
     import mindspore as ms
     import numpy as np
-    from gradpool import pack as packing
+    from gradpool import writers
     from gradpool.pool import BucketPool
     from npref import add_rounded, normal, round_to, values
     calls = []
@@ -1111,12 +1138,12 @@ def test_the_address_writers_serve_a_pack_never_an_accumulate(monkeypatch, grad_
     first, second = (round_to(normal(rng, (16,)), grad_dtype) for _ in range(2))
     as_grad = lambda a: ms.Tensor(a).astype(getattr(ms, grad_dtype))   # noqa: E731
     lease = BucketPool(device="CPU", alignment_bytes=4).acquire(16, getattr(ms, bucket_dtype))
-    written = packing.pack(lease, [as_grad(first)], layout, host=True)
+    written = writers.pack(lease, [as_grad(first)], layout, host=True)
     assert calls == [(grad_dtype, bucket_dtype, 16)]
     assert written.nbytes == lease.nbytes and written.on_host
     packed = round_to(first, bucket_dtype)
     np.testing.assert_array_equal(values(lease.tensor), packed)
-    packing.accumulate(lease, [as_grad(second)], layout, host=True)
+    writers.accumulate(lease, [as_grad(second)], layout, host=True)
     assert len(calls) == 1
     np.testing.assert_array_equal(values(lease.tensor),
                                   add_rounded(packed, second, bucket_dtype))
@@ -1131,20 +1158,20 @@ def test_a_lazily_initialized_gradient_is_refused_with_nothing_written(host):
     import mindspore as ms
     import numpy as np
     from mindspore.common.initializer import One
-    from gradpool import pack as packing
+    from gradpool import writers
     from gradpool.pool import BucketPool
     from npref import values
     lease = BucketPool(device="CPU", alignment_bytes=4).acquire(16, ms.float32)
     layout = ReduceScatterLayout.build([(16,)], 1, 1)
-    packing.pack(lease, [ms.Tensor(np.full(16, 2.5, np.float32))], layout, host=host)
+    writers.pack(lease, [ms.Tensor(np.full(16, 2.5, np.float32))], layout, host=host)
     lazy = ms.Tensor(shape=(16,), dtype=ms.float32, init=One())
     with pytest.raises(InvalidArgumentError) as err:
-        packing.pack(lease, [lazy], layout, host=host)
+        writers.pack(lease, [lazy], layout, host=host)
     assert str(err.value) == ("gradient 0 is lazily initialized (One) and has no memory yet; "
                               "call its init_data() before packing it")
     np.testing.assert_array_equal(values(lease.tensor), np.full(16, 2.5, np.float32))
     lazy.init_data()
-    packing.pack(lease, [lazy], layout, host=host)
+    writers.pack(lease, [lazy], layout, host=host)
     np.testing.assert_array_equal(values(lease.tensor), np.ones(16, np.float32))
     lease.release()
 
@@ -1155,20 +1182,21 @@ def test_a_host_pack_into_an_ascend_pool_never_drains_the_launch_queue(monkeypat
     that overlap backward with the reduce."""
     import mindspore as ms
     import numpy as np
-    from gradpool import pack as packing
+    from gradpool import writers
+    from gradpool.host import writer as host
     from gradpool.pool import BucketPool
     from npref import values
     drains = []
-    monkeypatch.setattr(packing, "drain_launch_queue", lambda: drains.append(1))
+    monkeypatch.setattr(host, "drain_launch_queue", lambda: drains.append(1))
     layout = ReduceScatterLayout.build([(16,)], 1, 1)
     source = np.arange(16, dtype=np.float32)
     lease = BucketPool(device="Ascend", alignment_bytes=4).acquire(16, ms.float32)
-    assert not packing.pack(lease, [ms.Tensor(source)], layout, host=True).on_host
+    assert not writers.pack(lease, [ms.Tensor(source)], layout, host=True).on_host
     np.testing.assert_array_equal(values(lease.tensor), source)
     assert drains == []
     lease.release()
     cpu_lease = BucketPool(device="CPU", alignment_bytes=4).acquire(16, ms.float32)
-    assert packing.pack(cpu_lease, [ms.Tensor(source)], layout, host=True).on_host
+    assert writers.pack(cpu_lease, [ms.Tensor(source)], layout, host=True).on_host
     assert drains == [1]
     cpu_lease.release()
 
@@ -1185,7 +1213,7 @@ def test_a_gradient_over_its_own_bucket_is_read_before_it_is_overwritten(monkeyp
     (62 bytes, no whole number of 8-byte words)."""
     import mindspore as ms
     import numpy as np
-    from gradpool import pack as packing
+    from gradpool import writers as writing
     from gradpool.pool import BucketPool
     from npref import values
     calls = []
@@ -1193,14 +1221,14 @@ def test_a_gradient_over_its_own_bucket_is_read_before_it_is_overwritten(monkeyp
     if writers == "numpy":
         _without_address_writers(monkeypatch)
     lease = BucketPool(device="CPU", alignment_bytes=4).acquire(numel, ms.float32)
-    halves = np.frombuffer((ctypes.c_char * (2 * numel)).from_address(lease.host_address()),
+    halves = np.frombuffer((ctypes.c_char * (2 * numel)).from_address(lease.allocation.data_ptr()),
                            np.int16)
     source = np.random.default_rng(38).standard_normal(numel).astype(np.float32)
     source[1], source[5] = 2.0, 0.0
     halves[:] = (source.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
     grad = ms.from_numpy(halves).view(ms.bfloat16)
-    assert grad.data_ptr() == lease.host_address()
-    packing.pack(lease, [grad], ReduceScatterLayout.build([(numel,)], 1, 1), host=True)
+    assert grad.data_ptr() == lease.allocation.data_ptr()
+    writing.pack(lease, [grad], ReduceScatterLayout.build([(numel,)], 1, 1), host=True)
     assert calls == ([("bfloat16", "float32", numel)] if writers == "address-writers" else [])
     want = ((source.view(np.uint32) >> 16) << 16).view(np.float32)
     np.testing.assert_array_equal(values(lease.tensor), want)
@@ -1215,7 +1243,7 @@ def test_a_single_gradient_host_pack_refuses_a_shape_or_lease_that_does_not_fit(
     another size, is refused as the general path refuses it, and nothing is written."""
     import mindspore as ms
     import numpy as np
-    from gradpool import pack as packing
+    from gradpool import writers as writing
     from gradpool.errors import LayoutMismatchError
     from gradpool.pool import BucketPool
     from npref import values
@@ -1227,13 +1255,13 @@ def test_a_single_gradient_host_pack_refuses_a_shape_or_lease_that_does_not_fit(
     before = values(lease.tensor).copy()
     folded = ms.Tensor(np.ones((2, 8), np.float32))
     with pytest.raises(LayoutMismatchError, match=r"shape \(2, 8\); the layout expects \(16,\)"):
-        packing.pack(lease, [folded], layout, host=True)
+        writing.pack(lease, [folded], layout, host=True)
     np.testing.assert_array_equal(values(lease.tensor), before)
     lease.release()
     pool.acquire(32, ms.float32).release()
     longer = pool.acquire(32, ms.float32)
     with pytest.raises(LayoutMismatchError, match="lease holds 32 elements; the layout needs 16"):
-        packing.pack(longer, [ms.Tensor(np.ones(16, np.float32))], layout, host=True)
+        writing.pack(longer, [ms.Tensor(np.ones(16, np.float32))], layout, host=True)
     longer.release()
 
 
@@ -1247,32 +1275,33 @@ def test_a_single_gradient_host_pack_reports_what_it_wrote(monkeypatch, writers,
     import mindspore as ms
     import numpy as np
     from gradpool import pack as packing
+    from gradpool import writers as writing
     from gradpool.pool import BucketPool
     if writers == "numpy":
         _without_address_writers(monkeypatch)
     lease = BucketPool(device="CPU", alignment_bytes=4).acquire(24, getattr(ms, bucket_dtype))
     grad = ms.Tensor(np.linspace(-3, 3, 24, dtype=np.float32)).astype(getattr(ms, grad_dtype))
-    written = packing.pack(lease, [grad], ReduceScatterLayout.build([(24,)], 2, 1), host=True)
+    written = writing.pack(lease, [grad], ReduceScatterLayout.build([(24,)], 2, 1), host=True)
     assert written == packing.Written(24 * (4 if bucket_dtype == "float32" else 2), 0, True)
     lease.release()
 
 
-def test_host_writer_is_looked_up_once_per_pair_of_supported_dtype_objects(monkeypatch):
-    """host_writer caches by the id() of the dtype objects, so it caches only the supported
+def test_compiled_writer_is_looked_up_once_per_pair_of_supported_dtype_objects(monkeypatch):
+    """compiled_writer caches by the id() of the dtype objects, so it caches only the supported
     singletons (another object's id may be reused by a later one) and returns the cached writer,
     with both element sizes, on every later call."""
     import mindspore as ms
-    from gradpool import dtypes
-    monkeypatch.setattr(dtypes, "_WRITERS", {})
+    from gradpool.host import views
+    monkeypatch.setattr(views, "_WRITERS", {})
     stranger = object()
-    assert dtypes.host_writer(stranger, ms.float32) is None
-    assert dtypes.host_writer(ms.float32, stranger) is None
-    assert dtypes._WRITERS == {}
-    writer = dtypes.host_writer(ms.bfloat16, ms.float32)
+    assert views.compiled_writer(stranger, ms.float32) is None
+    assert views.compiled_writer(ms.float32, stranger) is None
+    assert views._WRITERS == {}
+    writer = views.compiled_writer(ms.bfloat16, ms.float32)
     assert (writer.src_itemsize, writer.dst_itemsize) == (2, 4)
-    assert dtypes._WRITERS == {(id(ms.bfloat16), id(ms.float32)): writer}
-    assert dtypes.host_writer(ms.bfloat16, ms.float32) is writer
-    assert dtypes.host_writer(ms.float16, ms.float32) is None       # no writer for the pair
+    assert views._WRITERS == {(id(ms.bfloat16), id(ms.float32)): writer}
+    assert views.compiled_writer(ms.bfloat16, ms.float32) is writer
+    assert views.compiled_writer(ms.float16, ms.float32) is None       # no writer for the pair
 
 
 def test_the_compiled_cast_serves_a_pack_never_an_accumulate(monkeypatch):
@@ -1281,8 +1310,8 @@ def test_the_compiled_cast_serves_a_pack_never_an_accumulate(monkeypatch):
     must add, so it never does."""
     import mindspore as ms
     import numpy as np
-    from gradpool import kernels
-    from gradpool import pack as packing
+    from gradpool.host import kernels
+    from gradpool import writers
     from gradpool.pool import BucketPool
     from npref import add_rounded, normal, round_to, values
     calls = []
@@ -1292,10 +1321,10 @@ def test_the_compiled_cast_serves_a_pack_never_an_accumulate(monkeypatch):
     rng = np.random.default_rng(36)
     first, second = normal(rng, (16,)), normal(rng, (16,))
     lease = BucketPool(device="CPU", alignment_bytes=4).acquire(16, ms.bfloat16)
-    packing.pack(lease, [ms.Tensor(first)], layout, host=True)
+    writers.pack(lease, [ms.Tensor(first)], layout, host=True)
     assert calls == [16]
     np.testing.assert_array_equal(values(lease.tensor), round_to(first, "bfloat16"))
-    packing.accumulate(lease, [ms.Tensor(second)], layout, host=True)
+    writers.accumulate(lease, [ms.Tensor(second)], layout, host=True)
     assert calls == [16]
     np.testing.assert_array_equal(values(lease.tensor),
                                   add_rounded(round_to(first, "bfloat16"), second, "bfloat16"))
@@ -1316,13 +1345,13 @@ def test_a_failed_launch_or_pack_of_the_two_step_api_surfaces_its_error_and_leak
         monkeypatch):
     """pack() then launch(): a pack that raises, and a launch whose second collective raises,
     give back every bucket and let their own error through."""
-    from gradpool import pack as packing
+    import types
     raw, grads = _random_grads([(4, 3), (6,)], 37)
     reducer = _reducer(_PeerScaled(fail_at=2))
     packed = reducer.pack(grads, allow_borrow=False)
     with pytest.raises(RuntimeError, match="launch 2 failed"):
         reducer.launch(packed, op="sum")
-    real = packing.pack
+    real = reducer.writer.pack
     calls = []
 
     def pack_then_fail(*args, **kwargs):
@@ -1331,7 +1360,7 @@ def test_a_failed_launch_or_pack_of_the_two_step_api_surfaces_its_error_and_leak
             raise RuntimeError("pack failed")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(packing, "pack", pack_then_fail)
+    monkeypatch.setattr(reducer, "writer", types.SimpleNamespace(pack=pack_then_fail))
     with pytest.raises(RuntimeError, match="pack failed"):
         reducer.pack(grads, allow_borrow=False)
     monkeypatch.undo()
@@ -1476,14 +1505,15 @@ def test_an_accepted_request_does_not_let_a_bad_one_through():
         pool.acquire(1024, ms.float32)
 
 
-def test_host_array_follows_a_bucket_whose_memory_moved():
-    """MindSpore may give a tensor new memory; the bucket's cached host array must then be
-    rebuilt over the new memory, never written through the old pointer."""
+def test_the_host_view_follows_a_bucket_whose_memory_moved():
+    """MindSpore may give a tensor new memory; the host writer's cached view of the bucket must
+    then be rebuilt over the new memory, never written through the old pointer."""
     import mindspore as ms
+    from gradpool.host.writer import host_writer
     from gradpool.pool import BucketPool
     pool = BucketPool(device="CPU", alignment_bytes=4)
     lease = pool.acquire(8, ms.float32)
-    old = lease.host_array()
+    old = host_writer().bucket_array(lease)
     record = pool._buckets[0]
     # Move the storage the way a regrow does: free it, then grow it again at a new address.
     record.tensor.untyped_storage().resize_(0)
@@ -1493,7 +1523,7 @@ def test_host_array_follows_a_bucket_whose_memory_moved():
     record.tensor.untyped_storage().resize_(8 * 4)
     if record.tensor.data_ptr() == old.ctypes.data:
         pytest.skip("the regrown storage landed at the same address")
-    new = lease.host_array()
+    new = host_writer().bucket_array(lease)
     assert new.ctypes.data == record.tensor.data_ptr()
     new[:] = 5.0
     assert (lease.tensor.asnumpy() == 5.0).all()

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from gradpool import pack as packing
+from gradpool import writers
 from gradpool.comm import SingleProcessCommunicator
 from gradpool.dtypes import itemsize
 from gradpool.layout import GradSlot, ReduceScatterLayout
@@ -65,7 +66,7 @@ def test_pack_is_bit_exact(world, bucket_name, grad_name, layout_name, align_byt
     before = [raw_bytes(t) for t in tensors]
     pool.acquire(layout.total_numel, bucket).release()        # recycled, poisoned with NaN
     lease = pool.acquire(layout.total_numel, bucket)
-    written = packing.pack(lease, tensors, layout, host=host)
+    written = writers.pack(lease, tensors, layout, host=host)
     expected = round_to(np_pack(vals, layout), bucket)
     np.testing.assert_array_equal(values(lease.tensor), expected)
     assert raw_bytes(lease.tensor) == bytes_of(expected, bucket)
@@ -87,7 +88,7 @@ def test_shard_views_of_every_row_are_exact(world, layout_name):
     layout = ReduceScatterLayout.build(shapes, world, pool.alignment_elements(ms.float32), dims)
     vals, tensors = grads(np.random.default_rng(7 + world), shapes, ms.float32)
     lease = pool.acquire(layout.total_numel, ms.float32)
-    packing.pack(lease, tensors, layout, host=True)
+    writers.pack(lease, tensors, layout, host=True)
     packed = values(lease.tensor).astype(np.float32)
     for rank in range(world):
         row = ms.Tensor(packed[rank * layout.row_numel:(rank + 1) * layout.row_numel].copy())

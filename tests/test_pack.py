@@ -5,6 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gradpool import pack as packing
+from gradpool import writers
 from gradpool.errors import (ForeignLeaseError, InvalidArgumentError, LayoutMismatchError,
                              LeaseStateError, UnsupportedDtypeError)
 from gradpool.layout import GradSlot, ReduceScatterLayout
@@ -27,11 +28,11 @@ def copy_path(request):
 
 
 def pack(lease, grads, layout):
-    return packing.pack(lease, grads, layout, host=_PATH["host"])
+    return writers.pack(lease, grads, layout, host=_PATH["host"])
 
 
 def accumulate(lease, grads, layout):
-    return packing.accumulate(lease, grads, layout, host=_PATH["host"])
+    return writers.accumulate(lease, grads, layout, host=_PATH["host"])
 
 
 DTYPES = [ms.float32, ms.float16, ms.bfloat16]
@@ -70,21 +71,22 @@ def test_pack_reads_back_as_numpy_pack(grad_dtype, bucket_dtype, shapes, world):
 @pytest.mark.parametrize("dtypes", [(ms.float32, ms.float32), (ms.float16, ms.float32),
                                     (ms.float32, ms.float16)])
 def test_each_path_is_taken_when_selected(copy_path, dtypes, monkeypatch):
+    from gradpool.host import writer as host
+    from gradpool.host.writer import HostWriter
     calls = []
-    # The host path's entries: the address write (counted when it wrote: it declines a pair
+    # The host writer's entries: the address write (counted when it wrote: it declines a pair
     # without a compiled writer), the single-gradient one (writes, so the general one is not
     # reached) and the general writer.
-    at_addresses, one = packing._pack_one_at_addresses, packing._put_one_on_host
+    real_writer, one = host.compiled_writer, HostWriter._put_one
 
-    def addresses_wrote(*args):
-        written = at_addresses(*args)
-        if written is not None:
-            calls.append(args)
-        return written
-    monkeypatch.setattr(packing, "_pack_one_at_addresses", addresses_wrote)
-    monkeypatch.setattr(packing, "_put_one_on_host",
-                        lambda *a, **k: calls.append(a) or one(*a, **k))
-    monkeypatch.setattr(packing, "_host_write", lambda *a, **k: calls.append(a))
+    def recording_writer(src, dst):
+        found = real_writer(src, dst)
+        if found is None:
+            return None
+        return found._replace(write=lambda *a: calls.append(a) or found.write(*a))
+    monkeypatch.setattr(host, "compiled_writer", recording_writer)
+    monkeypatch.setattr(HostWriter, "_put_one", lambda *a, **k: calls.append(a) or one(*a, **k))
+    monkeypatch.setattr(HostWriter, "_write", lambda *a, **k: calls.append(a))
     grad_dtype, bucket_dtype = dtypes
     layout = ReduceScatterLayout.build([(256,)], 1)
     lease = BucketPool(alignment_bytes=4).acquire(256, bucket_dtype)
@@ -323,7 +325,7 @@ def test_unpack_gathered_returns_the_full_tensors_owning_their_memory(dtype, sha
     np.testing.assert_array_equal(np.concatenate(rows), np_pack(fulls, layout))
     gathered = pool.acquire(layout.total_numel, dtype)
     pack(gathered, tensors(fulls, dtype), layout)   # what the all-gather of those rows holds
-    out = packing.unpack_gathered(gathered, layout, host=_PATH["host"])
+    out = writers.unpack_gathered(gathered, layout, host=_PATH["host"])
     assert [tuple(t.shape) for t in out] == [tuple(s) for s in shapes]
     assert all(t.dtype == dtype for t in out)
     pack(gathered, tensors([np.full(s, 3.0) for s in shapes], dtype), layout)   # recycled
@@ -337,10 +339,10 @@ def test_unpack_gathered_checks_the_lease():
     pool = BucketPool(alignment_bytes=4)
     lease = pool.acquire(layout.total_numel + 2, ms.float32)
     with pytest.raises(LayoutMismatchError, match="the layout needs 8"):
-        packing.unpack_gathered(lease, layout, host=_PATH["host"])
+        writers.unpack_gathered(lease, layout, host=_PATH["host"])
     lease.release()
     with pytest.raises(LeaseStateError):
-        packing.unpack_gathered(lease, layout, host=_PATH["host"])
+        writers.unpack_gathered(lease, layout, host=_PATH["host"])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -351,7 +353,7 @@ def test_unpack_gathered_copies_a_bucket_that_is_one_whole_parameter(dtype):
     full = exact_grid(np.random.default_rng(2), (4, 6))
     lease = BucketPool(alignment_bytes=4).acquire(layout.total_numel, dtype)
     pack(lease, tensors([full], dtype), layout)
-    out, = packing.unpack_gathered(lease, layout, host=_PATH["host"])
+    out, = writers.unpack_gathered(lease, layout, host=_PATH["host"])
     pack(lease, tensors([np.zeros((4, 6))], dtype), layout)
     np.testing.assert_array_equal(values(out), full)
     lease.release()

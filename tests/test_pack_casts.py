@@ -9,7 +9,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 
-from gradpool import pack as packing
+from gradpool import writers
 from gradpool.layout import ReduceScatterLayout
 from gradpool.pool import BucketPool
 from npref import raw_bytes
@@ -32,9 +32,9 @@ def host(request, monkeypatch):
 
 
 def without_address_writers(monkeypatch):
-    from gradpool import dtypes, kernels
+    from gradpool.host import kernels, views
     monkeypatch.setattr(kernels, "address_writer", lambda src, dst: None)
-    monkeypatch.setattr(dtypes, "_WRITERS", {})
+    monkeypatch.setattr(views, "_WRITERS", {})
 
 
 def bits_of(tensor):
@@ -79,7 +79,7 @@ def pack_bits(bits, grad_dtype, bucket_dtype, host, world=1):
     grad = tensor_of(bits, grad_dtype)
     layout = ReduceScatterLayout.build([(bits.size,)], world)
     lease = BucketPool(alignment_bytes=4).acquire(layout.total_numel, bucket_dtype)
-    written = packing.pack(lease, [grad], layout, host=host)
+    written = writers.pack(lease, [grad], layout, host=host)
     assert written.on_host == host
     out = bits_of(lease.tensor)
     lease.release()
@@ -136,7 +136,7 @@ def test_cast_into_interleaved_uneven_layout(host, bucket_dtype):
     pool = BucketPool(alignment_bytes=4, poison_on_release=True)
     pool.acquire(layout.total_numel, bucket_dtype).release()       # poisoned: gaps must be zeroed
     lease = pool.acquire(layout.total_numel, bucket_dtype)
-    packing.pack(lease, [ms.Tensor(a) for a in arrays], layout, host=host)
+    writers.pack(lease, [ms.Tensor(a) for a in arrays], layout, host=host)
     got = bits_of(lease.tensor)
     want = np.zeros(layout.total_numel, np.uint16)
     for slot, array in zip(layout.slots, arrays):
@@ -159,8 +159,8 @@ def test_accumulate_into_bfloat16_rounds_once(host):
     first, second = (rng.standard_normal(4096).astype(np.float32) for _ in range(2))
     layout = ReduceScatterLayout.build([(4096,)], 1)
     lease = BucketPool(alignment_bytes=4).acquire(4096, ms.bfloat16)
-    packing.pack(lease, [ms.Tensor(first)], layout, host=host)
-    packing.accumulate(lease, [ms.Tensor(second)], layout, host=host)
+    writers.pack(lease, [ms.Tensor(first)], layout, host=host)
+    writers.accumulate(lease, [ms.Tensor(second)], layout, host=host)
     stored = (rne_bfloat16(first.view(np.uint32)).astype(np.uint32) << 16).view(np.float32)
     want = rne_bfloat16((stored + second).view(np.uint32))
     twice = rne_bfloat16(((rne_bfloat16(second.view(np.uint32)).astype(np.uint32) << 16)
@@ -184,8 +184,8 @@ def test_no_floating_point_warning_for_any_pattern(grad_dtype, bucket_dtype, wor
     lease = BucketPool(alignment_bytes=4).acquire(layout.total_numel, bucket_dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        packing.pack(lease, [grad], layout, host=True)
-        packing.accumulate(lease, [grad], layout, host=True)
+        writers.pack(lease, [grad], layout, host=True)
+        writers.accumulate(lease, [grad], layout, host=True)
     lease.release()
 
 
@@ -195,7 +195,7 @@ def store(request, monkeypatch):
     ``COPY_STREAM_FROM_BYTES`` (the copy) ordinary stores, from there on non-temporal vector
     stores (both set to 0 here, so small outputs take that path too)."""
     if request.param == "streaming":
-        from gradpool import kernels
+        from gradpool.host import kernels
         monkeypatch.setattr(kernels, "STREAM_FROM_BYTES", 0)
         monkeypatch.setattr(kernels, "COPY_STREAM_FROM_BYTES", 0)
     return request.param
@@ -205,7 +205,7 @@ def test_compiled_float32_to_bfloat16_cast_is_round_to_nearest_even(store):
     """The compiled cast (numba) writes the integer reference's bits for every float32 rounding
     case, NaNs as 0x7FC0."""
     import ml_dtypes
-    from gradpool.dtypes import compiled_cast
+    from gradpool.host.views import compiled_cast
     words = float32_patterns()
     out = np.empty(words.size, ml_dtypes.bfloat16)
     assert compiled_cast(out, words.view(np.float32))
@@ -220,7 +220,7 @@ def test_compiled_cast_of_any_length_at_any_alignment(length, offset, store):
     32-byte line (the streaming stores start at the first line boundary): the bits of the
     integer reference, and nothing written outside the output."""
     import ml_dtypes
-    from gradpool.dtypes import compiled_cast
+    from gradpool.host.views import compiled_cast
     words = float32_patterns()[:length] if length <= 4096 else float32_patterns()[-length:]
     backing = np.full(length + 32, 0x1234, np.uint16)
     start = offset + (-backing.ctypes.data % 32) // 2     # offset elements past a 32-byte line
@@ -235,20 +235,20 @@ def test_compiled_cast_at_an_odd_address_takes_the_ordinary_loop(monkeypatch):
     """A uint16 view at an odd address (a byte buffer's) cannot be aligned for vector stores:
     the ordinary loop writes it (a vector store there would fault)."""
     import ml_dtypes
-    from gradpool import dtypes, kernels
+    from gradpool.host import kernels, views
     monkeypatch.setattr(kernels, "STREAM_FROM_BYTES", 0)
     words = float32_patterns()[:1000]
     raw = np.zeros(2 * words.size + 64, np.uint8)
     start = 1 + (-raw.ctypes.data % 32)
     out = raw[start:start + 2 * words.size].view(ml_dtypes.bfloat16)
     assert out.ctypes.data % 2 == 1
-    assert dtypes.compiled_cast(out, words.view(np.float32))
+    assert views.compiled_cast(out, words.view(np.float32))
     np.testing.assert_array_equal(out.view(np.uint16), rne_bfloat16(words))
 
 
 def test_compiled_cast_takes_only_contiguous_float32_to_bfloat16():
     import ml_dtypes
-    from gradpool.dtypes import compiled_cast
+    from gradpool.host.views import compiled_cast
     src = np.ones(8, np.float32)
     untouched = np.zeros(8, np.float16)
     assert not compiled_cast(untouched, src)
@@ -260,7 +260,7 @@ def test_compiled_cast_takes_only_contiguous_float32_to_bfloat16():
 def test_float32_to_bfloat16_without_the_compiled_cast(monkeypatch):
     """Without numba (where it cannot be imported) the one-pass ml_dtypes cast, plus NaN
     canonicalization, writes the same bits."""
-    from gradpool import kernels
+    from gradpool.host import kernels
     monkeypatch.setattr(kernels, "bfloat16_kernel", lambda: None)
     without_address_writers(monkeypatch)
     words = float32_patterns()
@@ -278,7 +278,7 @@ def test_address_writer_writes_exactly_its_elements(src_name, dst_name, length, 
     line (the streaming stores start at the first line boundary) and either store kind: the bits
     of the integer references, and no byte before or after the output written. 16,411 elements
     are several blocks of the streaming copy's four pages (16 KiB each) and a tail."""
-    from gradpool.kernels import address_writer
+    from gradpool.host.kernels import address_writer
     write = address_writer(src_name, dst_name)
     assert write is not None
     if src_name == "float32":
@@ -305,7 +305,7 @@ def test_streaming_copy_from_anywhere_in_a_page_to_anywhere_in_a_line(name, src_
     """The streaming copy's head brings the source to a page boundary and the bucket to a cache
     line before its four-page blocks: every byte arrives, none outside the bucket is written,
     wherever the two start (several blocks and a tail: 24,603 x 4 or 49,206 x 2 bytes)."""
-    from gradpool import kernels
+    from gradpool.host import kernels
     monkeypatch.setattr(kernels, "COPY_STREAM_FROM_BYTES", 0)
     write = kernels.address_writer(name, name)
     nbytes = 98412
@@ -320,7 +320,7 @@ def test_streaming_copy_from_anywhere_in_a_page_to_anywhere_in_a_line(name, src_
 
 
 def test_no_address_writer_for_a_pair_without_one():
-    from gradpool.kernels import address_writer
+    from gradpool.host.kernels import address_writer
     assert address_writer("float16", "float32") is None
     assert address_writer("float32", "float16") is None
     assert address_writer("bfloat16", "float16") is None
@@ -330,7 +330,7 @@ def test_no_address_writer_for_a_pair_without_one():
 def test_address_copy_of_overlapping_ranges_is_a_move(shift, store):
     """The same-dtype address writer moves overlapping ranges as memmove does (the streaming
     loop is only taken for ranges apart), whichever store kind its size selects."""
-    from gradpool.kernels import address_writer
+    from gradpool.host.kernels import address_writer
     memory = np.arange(5000, dtype=np.uint32)
     src, dst, length = 100, 100 + shift, 4096
     want = memory.copy()

@@ -6,7 +6,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 
-from gradpool import pack as packing
+from gradpool import writers
 from gradpool.errors import (ForeignLeaseError, InvalidArgumentError, LeaseStateError,
                              PoolCapacityError, UnsupportedDtypeError)
 from gradpool.layout import ReduceScatterLayout
@@ -139,7 +139,7 @@ def test_poison_fills_released_bucket_with_nan(dtype):
     lease = pool.acquire(100, dtype)
     view = lease.tensor
     layout = ReduceScatterLayout.build([(100,)], 1)
-    packing.pack(lease, [ms.Tensor(np.ones(100, np.float32))], layout, host=True)
+    writers.pack(lease, [ms.Tensor(np.ones(100, np.float32))], layout, host=True)
     fence = ManualFence()
     lease.release(fence)
     assert np.all(values(view) == 1), "poisoning before the fence completes corrupts a collective"
@@ -158,7 +158,7 @@ def test_pool_never_frees_or_changes_caller_tensors():
     layout = ReduceScatterLayout.build([g.shape for g in grads], 2, 16)
     for dtype in (ms.float32, ms.bfloat16):
         lease = pool.acquire(layout.total_numel, dtype)
-        packing.pack(lease, grads, layout, host=True)
+        writers.pack(lease, grads, layout, host=True)
         lease.release()
     pool.trim()
     assert [(raw_bytes(t), storage_bytes(t)) for t in grads + [bystander]] == before

@@ -227,25 +227,29 @@ def test_a_chain_is_completed_only_when_both_collectives_are():
                          [(True, True, 1), (False, True, 2), (True, False, 0), (False, False, 0)])
 def test_the_config_chooses_the_copy_path_and_a_timed_device_copy_is_waited_for(
         monkeypatch, host_copies, timed, syncs_per_copy):
-    """``host_copies`` is passed to every pack and accumulate; with timed copies a device copy is
-    bracketed by two synchronizes (the clock measures the copy, not queued work), a host copy
-    follows one (NumPy writes are done on return); untimed copies wait for nothing."""
-    from gradpool import pack as packing
+    """``host_copies`` chooses the writer every pack and accumulate goes through (the host
+    writer, else the device one); with timed copies a device copy is bracketed by two
+    synchronizes (the clock measures the copy, not queued work), a host copy follows one (NumPy
+    writes are done on return); untimed copies wait for nothing."""
+    import types
     from gradpool import reducer as reducer_module
     from gradpool.comm import SingleProcessCommunicator
+    from gradpool.host.writer import HostWriter
     from gradpool.pool import BucketPool
     hosts, syncs = [], []
-    for name in ("pack", "accumulate"):
-        real = getattr(packing, name)
-
-        def spy(*args, host, _real=real, **kwargs):
-            hosts.append(host)
-            return _real(*args, host=host, **kwargs)
-        monkeypatch.setattr(packing, name, spy)
     monkeypatch.setattr(reducer_module, "synchronize", lambda: syncs.append(1))
     pool = BucketPool(device="CPU", alignment_bytes=4, timed_copies=timed)
     reducer = GradReducer(pool, SingleProcessCommunicator(),
                           ReducerConfig(reduce_dtype=ms.float32, host_copies=host_copies))
+    chosen = reducer.writer
+
+    def spy(name):
+        def call(*args, **kwargs):
+            hosts.append(isinstance(chosen, HostWriter))
+            return getattr(chosen, name)(*args, **kwargs)
+        return call
+    monkeypatch.setattr(reducer, "writer", types.SimpleNamespace(
+        pack=spy("pack"), accumulate=spy("accumulate")))
     raw, grads = _random_grads([(4,)], 62)
     packed = reducer.pack(grads)
     reducer.accumulate(packed, grads)

@@ -9,7 +9,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 
-from gradpool import pack as packing
+from gradpool import writers
 from gradpool.layout import ReduceScatterLayout
 from gradpool.pool import BucketPool
 from npref import raw_bytes, storage_bytes
@@ -49,11 +49,11 @@ def test_pool_path_never_frees_or_changes_the_gradient(grad_dtype, reduce_dtype,
 
     layout = ReduceScatterLayout.build([shape], world_size=2, alignment=16)
     lease = pool.acquire(layout.total_numel, reduce_dtype)
-    packing.pack(lease, [alias.reshape(shape)], layout, host=True)
+    writers.pack(lease, [alias.reshape(shape)], layout, host=True)
     lease.release()
 
     reused = pool.acquire(layout.total_numel, reduce_dtype)   # the same bucket, overwritten
-    packing.pack(reused, [ms.Tensor(np.full(shape, 9.0, np.float32))], layout, host=True)
+    writers.pack(reused, [ms.Tensor(np.full(shape, 9.0, np.float32))], layout, host=True)
     reused.release()
     pool.trim()
 

@@ -48,7 +48,6 @@ assumed fraction for a streaming copy kernel; both can be set. No 910B run has m
 """
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -57,6 +56,7 @@ from gradpool.app.config import RunConfig
 from gradpool.app.model import ParamSpec, parameter_specs
 from gradpool.errors import InvalidArgumentError, check_positive_number
 from gradpool.layout import ReduceScatterLayout, fusion_groups, round_up
+from gradpool.reuse import FREE, FreeIndex
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 HBM_910B_GBPS = 1600.0          # GB/s, the figure commonly published for the 910B's HBM2e
@@ -94,7 +94,7 @@ class _Bucket:
     index: int                   # allocation order (the pool breaks capacity ties by it)
     dtype: str
     capacity: int                # elements
-    state: str = "free"          # free | leased | fenced
+    state: str = FREE            # free | leased | fenced
     handle: Optional[int] = None
 
     @property
@@ -105,10 +105,11 @@ class _Bucket:
 class _PoolReplay:
     """BucketPool's bookkeeping without memory: the same bucket for every acquire.
 
-    Indexed so that a 671B plan (tens of thousands of buckets) replays in seconds: free buckets
-    sorted by (capacity, allocation order) per dtype, fenced ones in release order per dtype. A
-    fence is recycled as soon as its handle completes; the pool does it lazily (at its next
-    acquire or stats), which chooses the same buckets, since nothing in between looks at them."""
+    The bucket reused is the pool's own rule (:mod:`gradpool.reuse`), in its indexed form so that
+    a 671B plan (tens of thousands of buckets) replays in seconds; fenced buckets are kept in
+    release order per dtype. A fence is recycled as soon as its handle completes; the pool does
+    it lazily (at its next acquire or stats), which chooses the same buckets, since nothing in
+    between looks at them."""
 
     def __init__(self, alignment_bytes: int, max_in_flight: Optional[int]):
         self.alignment_bytes = alignment_bytes
@@ -119,7 +120,7 @@ class _PoolReplay:
         self.new_allocations = 0
         self.stalls = 0
         self.fenced_bytes = 0
-        self._free: dict = {}            # dtype -> sorted [(capacity, index)]
+        self._free = FreeIndex()
         self._fenced: dict = {}          # dtype -> {bucket index: None}, oldest first
         self._on_handle: dict = {}       # handle -> [bucket], fenced on it
         self._done: set[int] = set()
@@ -145,11 +146,8 @@ class _PoolReplay:
             oldest = self.buckets[next(iter(fenced))]
             self.stalls += 1                     # the pool waits on the oldest fence
             self.complete(oldest.handle)
-        free = self._free.setdefault(dtype, [])
-        at = bisect.bisect_left(free, (numel, -1))
-        if at < len(free):
-            bucket = self.buckets[free.pop(at)[1]]
-        else:
+        bucket = self._free.take(numel, dtype)
+        if bucket is None:
             bucket = _Bucket(len(self.buckets), dtype, round_up(numel, self.align(dtype)))
             self.buckets.append(bucket)
             self.reserved += bucket.nbytes
@@ -175,9 +173,9 @@ class _PoolReplay:
         if bucket.state == "fenced":
             del self._fenced[bucket.dtype][bucket.index]
             self.fenced_bytes -= bucket.nbytes
-        if bucket.state != "free":
-            bisect.insort(self._free.setdefault(bucket.dtype, []), (bucket.capacity, bucket.index))
-        bucket.state, bucket.handle = "free", None
+        if bucket.state != FREE:
+            self._free.add(bucket, bucket.index)
+        bucket.state, bucket.handle = FREE, None
 
 
 # -- the run's geometry ------------------------------------------------------------------------

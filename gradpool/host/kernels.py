@@ -1,9 +1,10 @@
 """The compiled host loops of the CPU pack path (numba): the float32 -> bfloat16 cast, and the
 single-gradient writes between two host addresses.
 
-Kept apart from :mod:`gradpool.dtypes` because they are code generation (LLVM IR, numba
-intrinsics), compiled once per process on first use; every function here returns None where
-numba cannot be imported, and the callers then take their NumPy / ml-dtypes path (same bits).
+Kept apart from :mod:`gradpool.host.views` because they are code generation (LLVM IR, numba
+intrinsics), compiled once per process (:func:`compile_host_loops`); every function here returns
+None where numba cannot be imported, and the callers then take their NumPy / ml-dtypes path (same
+bits).
 """
 from __future__ import annotations
 
@@ -43,10 +44,11 @@ _STREAM_BLOCK = _STREAM_PAGES * _PAGE_BYTES
 @functools.lru_cache(maxsize=1)
 def compile_host_loops() -> bool:
     """Import numba and compile every loop here now (once per process: numba's import and the
-    compiles, docs/benchmarks/host-path.md#compile-time); False without numba. A CPU pool calls
-    it when it is made, so the first pack does not compile inside a training step, where a Ctrl-C
-    would land in numba's import or compiler and leave a module half-imported for the rest of
-    the process (a random-interrupt test hit exactly that)."""
+    compiles, docs/benchmarks/host-path.md#compile-time); False without numba. The host writer
+    calls it when it is made (a reducer on a CPU pool makes it), so the first pack does not
+    compile inside a training step, where a Ctrl-C would land in numba's import or compiler and
+    leave a module half-imported for the rest of the process (a random-interrupt test hit
+    exactly that)."""
     writers = _address_writers()
     if writers is None:
         return False

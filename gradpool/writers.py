@@ -1,0 +1,60 @@
+"""Where a bucket is written: one interface (:class:`BucketWriter`), a writer per pool device.
+
+The device writer (:data:`gradpool.pack.DEVICE`) writes with MindSpore ops, the path Ascend runs;
+the host writer (:class:`gradpool.host.writer.HostWriter`) writes a CPU pool's buckets in place
+through their host memory with NumPy and compiled loops. :func:`writer_for` chooses; a reducer
+asks once, when it is made (which also makes the host writer compile its loops, outside any
+training step). The functions below are the façade's ``pack_bucket``, ``accumulate_bucket`` and
+``unpack_gathered``, which choose per call (``hyper_parallel``'s all-gather holds a lease and its
+reducer's ``host_copies``, not a writer).
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import mindspore as ms
+
+from gradpool.host.writer import host_writer
+from gradpool.layout import ReduceScatterLayout
+from gradpool.pack import DEVICE, Written
+from gradpool.pool import Lease
+
+
+class BucketWriter(Protocol):
+    """Writes of one kind into pool buckets; each takes its inputs explicitly and returns what it
+    wrote (the caller records statistics). Caller tensors are only ever read."""
+
+    def pack(self, lease: Lease, grads: Sequence[ms.Tensor],
+             layout: ReduceScatterLayout) -> Written: ...
+
+    def accumulate(self, lease: Lease, grads: Sequence[ms.Tensor],
+                   layout: ReduceScatterLayout) -> Written: ...
+
+    def unpack_gathered(self, lease: Lease, layout: ReduceScatterLayout) -> list[ms.Tensor]: ...
+
+
+def writer_for(device: str, host: bool = True) -> BucketWriter:
+    """The writer of a pool on ``device``: the host writer on CPU unless ``host`` is False
+    (``ReducerConfig.host_copies``: False tests the device path on CPU), else the device one."""
+    return host_writer() if host and device == "CPU" else DEVICE
+
+
+def pack(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout, *,
+         host: bool) -> Written:
+    """Write ``grads`` into ``lease`` per ``layout``: cast to the lease dtype, pad with zeros.
+
+    ``host``: through host memory where the pool is on the CPU (see :func:`writer_for`)."""
+    return writer_for(lease.pool.device, host).pack(lease, grads, layout)
+
+
+def accumulate(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout, *,
+               host: bool) -> Written:
+    """Add ``grads`` (packed per ``layout``) to what ``lease`` holds (a micro-step); the sum is
+    computed in the wider dtype and rounded once into the bucket."""
+    return writer_for(lease.pool.device, host).accumulate(lease, grads, layout)
+
+
+def unpack_gathered(lease: Lease, layout: ReduceScatterLayout, *, host: bool) -> list[ms.Tensor]:
+    """The full tensors of an all-gather bucket laid out as ``layout``, one per slot, each in new
+    memory (:func:`gradpool.pack.unpack_gathered`)."""
+    return writer_for(lease.pool.device, host).unpack_gathered(lease, layout)
