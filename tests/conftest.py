@@ -1,10 +1,13 @@
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))   # tests/ helpers (npref)
+sys.path.insert(0, os.path.dirname(__file__))   # tests/ helpers (npref, simulated, ...)
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "distributed"))   # harness, cases
 
 import pytest
+
+# The shared checks in tests/ helper modules report their failures as test modules do.
+pytest.register_assert_rewrite("bad_inputs", "pool_checks")
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,7 @@
 """hyper_parallel's fully_shard in one process (world size 1, no msrun): surface, training against
-the unsharded reference, the per-parameter reduce API, and typed errors for bad input."""
+the unsharded reference, the per-parameter reduce API, and typed errors for bad input (its
+policies' and keywords' table of the bad-input matrix); a call that fails leaves the module as it
+was."""
 import importlib
 import sys
 from pathlib import Path
@@ -16,10 +18,12 @@ from gradpool.app.config import from_dict
 from gradpool.errors import GradientIntegrityError, InvalidArgumentError, PoolCapacityError
 from hyper_parallel import fully_shard, hsdp_sync_stream, init_device_mesh
 from hyper_parallel.core.device_mesh import DeviceMesh
+from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.core.fully_shard.api import HSDPModule, MixedPrecisionPolicy
 from hyper_parallel.core.fully_shard.utils import CPUOffloadPolicy, OffloadPolicy
 from hyper_parallel.platform.mindspore.fully_shard.param import MindSporeHSDPParamV2
 from gradpool.runtime import runtime_for
+from bad_inputs import FULLY_SHARD_CASES, Net, assert_refused_typed
 
 DIST_DIR = Path(__file__).parent / "distributed"
 sys.path.insert(0, str(DIST_DIR))
@@ -367,3 +371,49 @@ def test_the_replaced_parameters_are_freed_before_the_first_forward_without_a_co
         trim.return_value.assert_called_once_with(0)        # once, not at every forward
     finally:
         gc.enable()
+
+
+# -- fully_shard is transactional -----------------------------------------------------------------
+def _state(net):
+    return {name: (id(cell._params.get(attr)), cell._params.get(attr).asnumpy().tobytes())
+            for name, cell in net.cells_and_names() for attr in cell._params} | {
+        "markers": [hasattr(p, "hsdp_managed_by") or hasattr(p, "hsdp_param")
+                    for p in net.trainable_params()],
+        "unit": "_hsdp_state" in net.__dict__, "class": type(net)}
+
+
+def _bad_placement(param):
+    return Shard(3) if param.name == "v" else Shard(0)
+
+
+def _raising_placement(param):
+    if param.name == "v":
+        raise KeyError("no rule for v")
+    return Shard(0)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(shard_placement_fn=_bad_placement, replicate_params=None), "Shard(dim=3)"),
+    (dict(shard_placement_fn=_raising_placement, replicate_params=None), "no rule for v"),
+    (dict(replicate_params=None), "0-d"),
+], ids=["bad Shard(dim)", "raising shard_placement_fn", "0-d parameter"])
+def test_a_failing_fully_shard_leaves_the_module_as_it_was(kwargs, needle):
+    net = Net()
+    params_before = list(net.trainable_params())
+    before = _state(net)
+    with pytest.raises(InvalidArgumentError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        fully_shard(net, **kwargs)
+    assert _state(net) == before
+    assert all(a is b for a, b in zip(net.trainable_params(), params_before))
+    fully_shard(net, replicate_params={net.s})          # corrected: manages every parameter
+    managed = [p.hsdp_param for p in net.trainable_params()]
+    assert {m.name for m in managed} == {"w", "v", "s"}
+    x = ms.Tensor(np.ones((2, 4), np.float32))
+    loss, grads = ms.value_and_grad(lambda x: net(x).sum(), None, net.trainable_params())(x)
+    assert len(grads) == 3 and np.isfinite(float(loss.asnumpy()))
+
+
+# -- policies' and keywords' table of the bad-input matrix (tests/bad_inputs.py) ------------------
+@pytest.mark.parametrize("name", sorted(FULLY_SHARD_CASES))
+def test_bad_input_is_refused_typed_naming_the_value(name):
+    assert_refused_typed(name)

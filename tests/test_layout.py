@@ -1,4 +1,5 @@
-"""gradpool.layout against a NumPy model of a reduce-scatter (no MindSpore needed)."""
+"""gradpool.layout against a NumPy model of a reduce-scatter (the layout needs no MindSpore), its
+exact error messages, hand-built layouts, and the layout's table of the bad-input matrix."""
 import math
 import sys
 
@@ -6,8 +7,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from gradpool.errors import InvalidArgumentError
-from gradpool.layout import ReduceScatterLayout
+from gradpool.errors import GradPoolError, InvalidArgumentError
+from gradpool.layout import GradSlot, ReduceScatterLayout
+from bad_inputs import LAYOUT_CASES, assert_refused_typed
 from npref import np_pack, np_shards
 
 
@@ -119,3 +121,65 @@ def test_fusion_groups_keep_order_per_dtype_and_stay_under_the_cap(items, cap):
         for closed, following in zip(mine, mine[1:]):
             assert sum(items[i][1] for i in closed) + items[following[0]][1] > cap
     assert fusion_groups(items, cap, fused=False) == [(d, [i]) for i, (d, _) in enumerate(items)]
+
+
+# -- exact messages, rows and gaps, a hand-built layout -------------------------------------------
+def test_grad_slot_of_shards_dim_0_by_default():
+    slot = GradSlot.of((5, 3), 2)
+    assert (slot.shard_dim, slot.chunk_size, slot.chunk_shape) == (0, 3, (3, 3))
+    assert GradSlot.of((5, 3), 2, 1).chunk_shape == (5, 2)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(shapes=[], world_size=2),
+     "a layout needs at least one gradient shape, got an empty list"),
+    (dict(shapes=[(4,), (2, 2)], world_size=2, shard_dims=[0]),
+     "shard_dims has 1 entries for 2 shapes; give one per shape"),
+    (dict(shapes=[()], world_size=2),
+     "gradient 0 has shape (); shapes need >= 1 dim and every dim >= 1"),
+    (dict(shapes=[(4,), (3, 2)], world_size=2, shard_dims=[0, -1]),
+     "gradient 1's shard dim must be an int >= 0, got -1"),
+    (dict(shapes=[(4, 2)], world_size=2, shard_dims=[2]),
+     "gradient 0 of shape (4, 2) cannot be sharded on dim 2"),
+])
+def test_layout_errors_say_exactly_what_was_wrong(kwargs, message):
+    with pytest.raises(GradPoolError) as err:
+        ReduceScatterLayout.build(**kwargs)
+    assert str(err.value) == message
+
+
+def test_layout_shard_dim_must_be_an_int_named_in_the_error():
+    with pytest.raises(GradPoolError) as err:
+        ReduceScatterLayout.build([(4, 2)], 2, shard_dims=[1.0])
+    assert str(err.value).startswith("gradient 0's shard dim must be an int")
+
+
+def test_row_without_tail_has_no_empty_gap():
+    """A row the chunks fill exactly has no trailing gap, not an empty one."""
+    layout = ReduceScatterLayout.build([(4,)], 2, 2)
+    assert layout.row_numel == 2
+    assert layout.row_segments() == ((2, layout.slots[0]),)
+    assert layout.gaps() == ()
+    filled = ReduceScatterLayout.build([(3,), (4,)], 2, 2)
+    assert [length for length, _ in filled.row_segments()] == [2, 2]
+    assert filled.gaps() == ()
+
+
+def test_layout_records_its_alignment():
+    layout = ReduceScatterLayout.build([(5, 3), (4,)], 2, 4)
+    assert (layout.world_size, layout.alignment, layout.row_numel) == (2, 4, 16)
+
+
+def test_row_segments_report_a_leading_gap_of_a_hand_built_layout():
+    """The layout is a public frozen dataclass: a row whose first chunk starts past 0 begins with
+    a zero gap of exactly that length, so gaps() starts at 0."""
+    slot = GradSlot(index=0, shape=(4,), shard_dim=0, chunk_size=2, offset=3, world_size=2)
+    layout = ReduceScatterLayout(world_size=2, alignment=1, slots=(slot,), row_numel=6)
+    assert layout.row_segments() == ((3, None), (2, slot), (1, None))
+    assert layout.gaps() == ((0, 3), (5, 6))
+
+
+# -- the layout's table of the bad-input matrix (tests/bad_inputs.py) -----------------------------
+@pytest.mark.parametrize("name", sorted(LAYOUT_CASES))
+def test_bad_input_is_refused_typed_naming_the_value(name):
+    assert_refused_typed(name)

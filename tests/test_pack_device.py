@@ -4,7 +4,10 @@ no tensor of the bucket's size: counted on CPU by wrapping the ops the device pa
 Every write into the bucket goes through ``Tensor.__setitem__`` or ``copy_``; their target
 regions are summed. Every op that can return new memory is wrapped, and a result whose storage is
 none of its inputs' counts as an allocation of that storage's size. The values are checked
-against NumPy, over a bucket filled with NaN first (a byte not written shows)."""
+against NumPy, over a bucket filled with NaN first (a byte not written shows).
+
+And two writes the device path must get right, read back against NumPy: into a prefix of a
+larger recycled bucket (not its whole storage), and of a transposed gradient sharded on dim 1."""
 from __future__ import annotations
 
 import contextlib
@@ -18,6 +21,9 @@ from mindspore import mint
 
 from gradpool import BucketPool, ReduceScatterLayout, pack_bucket
 from gradpool import pack as pack_module
+from gradpool import writers
+from gradpool.dtypes import itemsize
+from npref import normal, np_pack, raw_bytes, round_to, values
 
 ms.set_device("CPU")
 _ALLOCATING = [(mint, "cat"), (mint, "zeros"), (mint, "empty"), (mint, "add"),
@@ -164,4 +170,39 @@ def test_the_strided_block_form_ascend_runs_writes_the_same_values(name, monkeyp
     if dst != ms.float32:
         expected = ms.Tensor(expected.astype(np.float32)).astype(dst).astype(ms.float32).asnumpy()
     np.testing.assert_array_equal(_as_float(lease.tensor), expected)
+    lease.release()
+
+
+# -- a prefix of a larger bucket, a non-contiguous dim-1 gradient ---------------------------------
+def test_device_pack_into_a_prefix_of_a_larger_recycled_bucket():
+    """A lease on a larger recycled bucket is a prefix view (not its whole storage): the device
+    path must write it with slice-assignment (copy_ into a prefix raises on CPU), exactly, and
+    leave the rest of the bucket alone."""
+    for dtype in (ms.float32, ms.float16, ms.bfloat16):
+        pool = BucketPool(device="CPU", alignment_bytes=4)
+        pool.acquire(1000, dtype).release()
+        layout = ReduceScatterLayout.build([(7, 3), (5,)], 2, pool.alignment_elements(dtype))
+        lease = pool.acquire(layout.total_numel, dtype)
+        assert not lease.is_whole_bucket
+        used = layout.total_numel * itemsize(dtype)
+        tail_before = raw_bytes(lease.allocation)[used:]
+        rng = np.random.default_rng(5)
+        raw = [normal(rng, (7, 3)), normal(rng, (5,))]
+        writers.pack(lease, [ms.Tensor(v) for v in raw], layout, host=False)
+        np.testing.assert_array_equal(values(lease.tensor), round_to(np_pack(raw, layout), dtype))
+        assert raw_bytes(lease.allocation)[used:] == tail_before
+        lease.release()
+
+
+@pytest.mark.parametrize("shape", [(3, 4), (3, 5)], ids=["even", "uneven"])
+def test_device_pack_of_a_non_contiguous_dim1_gradient(shape):
+    """A transposed (non-contiguous) gradient sharded on dim 1, on the device path (the one
+    Ascend takes, which chunks it with a view)."""
+    raw = normal(np.random.default_rng(4), shape[::-1])
+    grad = ms.Tensor(raw).T
+    assert not grad.is_contiguous()
+    layout = ReduceScatterLayout.build([shape], 2, 1, [1])
+    lease = BucketPool(device="CPU", alignment_bytes=4).acquire(layout.total_numel, ms.float32)
+    writers.pack(lease, [grad], layout, host=False)
+    np.testing.assert_array_equal(values(lease.tensor), np_pack([raw.T], layout))
     lease.release()

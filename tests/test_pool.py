@@ -1,35 +1,37 @@
-"""BucketPool: leases, reuse, fences, trim, poison, ownership, and typed errors for bad input."""
+"""BucketPool: leases, reuse, fences, trim, poison, ownership, and typed errors for bad input
+(exact messages, and the pool's table of the bad-input matrix). And the pool under what a
+demanding user does: fences with wait() only, Ctrl-C inside acquire and release, a monitoring
+thread while the main thread reduces, sizes beyond the device or the cache cap; after each the
+pool holds exactly the bytes it says and no lease is live that nobody holds."""
 import ast
+import copy
 import pathlib
+import random
+import threading
+import time
 
 import mindspore as ms
 import numpy as np
 import pytest
 
+from gradpool import pool as pool_module
 from gradpool import writers
-from gradpool.errors import (ForeignLeaseError, InvalidArgumentError, LeaseStateError,
+from gradpool.comm import SingleProcessCommunicator
+from gradpool.device import device_memory_bytes
+from gradpool.errors import (ArgumentTypeError, ForeignLeaseError, GradPoolError,
+                             InvalidArgumentError, InvalidFenceError, LeaseStateError,
                              PoolCapacityError, UnsupportedDtypeError)
 from gradpool.layout import ReduceScatterLayout
-from gradpool.pool import BucketPool
+from gradpool.pool import BucketPool, as_fence
+from gradpool.reducer import GradReducer, ReducerConfig
+from gradpool.testing import FaultInjectingCommunicator
+from bad_inputs import POOL_CASES, assert_refused_typed
 from npref import raw_bytes, storage_bytes, values
+from pool_checks import Interrupt, assert_consistent, assert_reduces_correctly, step_grads
+from simulated import ManualFence, WaitOnlyHandle
 
 ms.set_device("CPU")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-class ManualFence:
-    """A fence the test completes by hand; wait() completes it and counts the call."""
-
-    def __init__(self):
-        self.done = False
-        self.waits = 0
-
-    def is_completed(self):
-        return self.done
-
-    def wait(self):
-        self.waits += 1
-        self.done = True
 
 
 def test_acquire_gives_flat_tensor_of_exact_numel():
@@ -341,3 +343,424 @@ def test_wait_all_counts_only_real_waits_as_stalls():
     pool.wait_all()
     stats = pool.stats()
     assert (done.waits, pending.waits, stats.stalls, stats.fenced_buckets) == (0, 1, 1, 0)
+
+
+# -- checked requests, exact messages, ownership --------------------------------------------------
+def test_acquire_remembers_only_requests_of_the_dtype_singletons():
+    """acquire remembers a checked request by the dtype's id(): only a singleton's id is that
+    dtype's for the life of the process. A twin (equal, another object) is checked on every
+    acquire and never remembered: once it is freed, a dtype object that is not supported may get
+    its id."""
+    pool = BucketPool(device="CPU", alignment_bytes=4)
+    checks = []
+    check_request = pool._check_request
+    pool._check_request = lambda numel, dtype: checks.append(numel) or check_request(numel,
+                                                                                      dtype)
+    twin = copy.deepcopy(ms.float32)
+    pool.acquire(16, twin).release()
+    assert pool._checked == {}
+    pool.acquire(16, ms.float32).release()
+    assert pool._checked == {(16, id(ms.float32), None): 16}
+    lease = pool.acquire(16, ms.float32)        # remembered: not checked again
+    assert lease.tensor.shape == (16,) and checks == [16, 16]
+    lease.release()
+    with pytest.raises(UnsupportedDtypeError):
+        pool.acquire(16, copy.deepcopy(ms.int32))
+    assert pool._checked == {(16, id(ms.float32), None): 16}
+
+
+def test_second_release_names_the_released_lease():
+    lease = BucketPool(device="CPU", alignment_bytes=4).acquire(8, ms.float32)
+    assert repr(lease) == "Lease(8 x Float32, live)"
+    lease.release()
+    with pytest.raises(LeaseStateError) as err:
+        lease.release()
+    assert str(err.value) == ("Lease(8 x Float32, released) was already released; a lease is "
+                              "released once")
+
+
+def test_a_lease_released_into_another_pool_is_refused_naming_both_pools():
+    issuer, other = BucketPool(device="CPU", alignment_bytes=4), BucketPool(device="CPU",
+                                                                          alignment_bytes=4)
+    assert isinstance(issuer.pool_id, int) and issuer.pool_id != other.pool_id
+    lease = issuer.acquire(8, ms.float32)
+    with pytest.raises(ForeignLeaseError) as err:
+        other.release(lease)
+    assert str(err.value) == (f"Lease(8 x Float32, live) was issued by pool {issuer.pool_id}, "
+                              f"not by this pool ({other.pool_id}); release it through the pool "
+                              "that issued it")
+    assert not lease.released
+    lease.release()
+
+
+def test_reserve_count_error_names_the_argument():
+    pool = BucketPool(device="CPU", alignment_bytes=4)
+    with pytest.raises(InvalidArgumentError) as err:
+        pool.reserve(ms.float32, 16, count=0)
+    assert str(err.value) == "count must be an int >= 1, got 0"
+    assert pool.stats().bytes_reserved == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(alignment_bytes=2 ** 21),
+     "alignment_bytes must be an int >= 4 and <= 1048576, got 2097152"),
+    (dict(alignment_bytes=2), "alignment_bytes must be an int >= 4 and <= 1048576, got 2"),
+    (dict(alignment_bytes=6), "alignment_bytes must be a multiple of 4, got 6"),
+    (dict(max_cached_bytes=0), "max_cached_bytes must be an int >= 1, got 0"),
+    (dict(max_cached_bytes=1.5), "max_cached_bytes must be an int or None, got float 1.5"),
+    (dict(max_buckets_in_flight=0), "max_buckets_in_flight must be an int >= 1, got 0"),
+    (dict(poison_on_release=1), "poison_on_release must be a bool (True or False), got int 1"),
+    (dict(timed_copies=None),
+     "timed_copies must be a bool (True or False), got NoneType None"),
+    (dict(device="GPU"), "device 'GPU' is not supported; use one of ('CPU', 'Ascend')"),
+])
+def test_pool_arguments_are_refused_naming_the_argument(kwargs, message):
+    with pytest.raises(GradPoolError) as err:
+        BucketPool(**kwargs)
+    assert str(err.value) == message
+
+
+def test_requests_no_bucket_can_serve_are_refused_naming_the_size():
+    pool = BucketPool(device="CPU", alignment_bytes=4)
+    with pytest.raises(InvalidArgumentError) as err:
+        pool.acquire(0, ms.float32)
+    assert str(err.value) == "numel must be an int >= 1, got 0"
+    limit = device_memory_bytes("CPU")
+    numel = limit // 4 + 1
+    with pytest.raises(PoolCapacityError) as err:
+        pool.acquire(numel, ms.float32)
+    assert str(err.value) == (f"a bucket of {numel} x Float32 ({numel * 4} bytes) cannot fit the "
+                              f"CPU device's {limit} bytes of memory; reduce in smaller buckets")
+    assert pool.stats().new_allocations == 0
+
+
+def test_a_bucket_over_the_cache_cap_is_refused_with_its_size_in_bytes():
+    """The cap compares bytes: 17 float32 elements are 68 bytes, over a 64-byte cap (in elements
+    they would fit)."""
+    pool = BucketPool(device="CPU", alignment_bytes=4, max_cached_bytes=64)
+    with pytest.raises(PoolCapacityError) as err:
+        pool.acquire(17, ms.float32)
+    assert str(err.value) == ("a bucket of 17 x Float32 (68 bytes) exceeds max_cached_bytes=64; "
+                              "raise the cap or use smaller buckets")
+    pool.acquire(16, ms.float32).release()         # 64 bytes: at the cap is allowed
+    assert pool.stats().bytes_reserved == 64
+
+
+def test_an_allocation_the_device_refuses_is_a_capacity_error_naming_the_fix(monkeypatch):
+    """MindSpore allocates lazily; the pool forces the allocation, and a refusal (a RuntimeError
+    there, injected here) is a PoolCapacityError that says what to do, the pool unchanged."""
+
+    class Refused:
+        def untyped_storage(self):
+            return self
+
+        def data_ptr(self):
+            raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(pool_module.mint, "empty", lambda *args, **kwargs: Refused())
+    pool = pool_module.BucketPool(device="CPU", alignment_bytes=4)
+    with pytest.raises(PoolCapacityError) as err:
+        pool.acquire(16, ms.float32)
+    assert str(err.value) == ("allocating a bucket of 16 x Float32 failed on CPU: out of memory; "
+                              "reduce bucket_cap_mib or free memory")
+    stats = pool.stats()
+    assert (stats.new_allocations, stats.bytes_reserved, stats.live_leases) == (0, 0, 0)
+
+
+def test_an_accepted_request_does_not_let_a_bad_one_through():
+    """acquire remembers the requests it checked; a bool equal to a remembered numel (True == 1),
+    an equal-but-rejected dtype and a lowered cap must still be refused."""
+    pool = BucketPool(device="CPU", alignment_bytes=4, max_cached_bytes=4096)
+    pool.acquire(1, ms.float32).release()
+    pool.acquire(1024, ms.float32).release()
+    with pytest.raises(ArgumentTypeError, match="True"):
+        pool.acquire(True, ms.float32)
+    with pytest.raises(UnsupportedDtypeError, match="Int32"):
+        pool.acquire(1, ms.int32)
+    pool.max_cached_bytes = 1024
+    with pytest.raises(PoolCapacityError, match="max_cached_bytes=1024"):
+        pool.acquire(1024, ms.float32)
+
+
+# -- an interrupted acquire -----------------------------------------------------------------------
+class _InterruptedHolder(list):
+    """A holder that takes the lease, then is interrupted (a KeyboardInterrupt arriving in the
+    acquire's commit, after the holder has the lease and before the pool recorded it)."""
+
+    def append(self, item):
+        super().append(item)
+        raise KeyboardInterrupt
+
+
+def test_lease_of_an_interrupted_acquire_is_released_once_and_unreadable():
+    """Releasing the lease an interrupted acquire left in its holder marks it released (reads
+    refuse it, a second release raises) and leaves the bucket free for the next acquire."""
+    pool = BucketPool(device="CPU", alignment_bytes=4)
+    holder = _InterruptedHolder()
+    with pytest.raises(KeyboardInterrupt):
+        pool.acquire(8, ms.float32, holder=holder)
+    lease, = holder
+    lease.release()
+    assert lease.released is True
+    with pytest.raises(LeaseStateError):
+        lease.tensor  # noqa: B018
+    with pytest.raises(LeaseStateError):
+        lease.release()
+    again = pool.acquire(8, ms.float32)
+    assert pool.stats().new_allocations == 1 and again.is_whole_bucket
+    again.release()
+
+
+# -- fences: wait() only, in flight under the bound and the cap, eviction -------------------------
+def test_a_wait_only_handle_reports_false_until_waited():
+    class WaitOnly:
+        def wait(self):
+            return "done"
+
+    fence = as_fence(WaitOnly())
+    assert fence.is_completed() is False
+    assert fence.wait() == "done"
+    assert fence.is_completed() is True
+
+
+def test_a_handle_without_wait_is_refused_as_a_fence_naming_it():
+    class NoWait:
+        def __repr__(self):
+            return "NoWait()"
+
+    lease = BucketPool(device="CPU", alignment_bytes=4).acquire(8, ms.float32)
+    with pytest.raises(InvalidFenceError) as err:
+        lease.release(NoWait())
+    assert str(err.value) == ("a fence needs a wait() method (and ideally is_completed()); got "
+                              "NoWait NoWait(). Pass the collective's handle, or None")
+    assert not lease.released
+    lease.release()
+
+
+def test_in_flight_bound_waits_only_on_the_same_dtype():
+    """At the in-flight bound an acquire waits for the oldest fence of its own dtype (the stall
+    timed within the acquire); an older fence of another dtype is left in flight."""
+    pool = BucketPool(device="CPU", alignment_bytes=4, max_buckets_in_flight=1)
+    other, same = ManualFence(), ManualFence()
+    pool.acquire(8, ms.bfloat16).release(other)          # the older fence, another dtype
+    pool.acquire(8, ms.float32).release(same)
+    start = time.perf_counter()
+    lease = pool.acquire(8, ms.float32)
+    elapsed = time.perf_counter() - start
+    assert (same.done, other.done) == (True, False)
+    stats = pool.stats()
+    assert (stats.stalls, stats.fenced_buckets, stats.reuses) == (1, 1, 1)
+    assert 0 <= stats.stall_seconds <= elapsed
+    lease.release()
+
+
+@pytest.mark.parametrize("cap, numel, expect", [(100, 8, "wait"), (152, 16, "allocate")])
+def test_under_the_cap_an_acquire_waits_for_an_in_flight_bucket_of_its_dtype(cap, numel, expect):
+    """In flight: a 64-byte float32 bucket and an older, smaller 24-byte bfloat16 one (88 bytes
+    cached). A 32-byte float32 acquire that would pass a 100-byte cap waits for the float32
+    bucket and takes it, never the other dtype's; a 64-byte one that exactly reaches a 152-byte
+    cap allocates and waits for nothing."""
+    pool = BucketPool(device="CPU", alignment_bytes=4, max_cached_bytes=cap)
+    other, same = ManualFence(), ManualFence()
+    pool.acquire(12, ms.bfloat16).release(other)
+    pool.acquire(16, ms.float32).release(same)
+    lease = pool.acquire(numel, ms.float32)
+    assert lease.dtype == ms.float32 and other.done is False
+    stats = pool.stats()
+    if expect == "wait":
+        assert same.done
+        assert (stats.new_allocations, stats.stalls, stats.fenced_buckets) == (2, 1, 1)
+    else:
+        assert not same.done and (stats.new_allocations, stats.stalls) == (3, 0)
+    lease.release()
+
+
+def test_over_the_cap_the_smallest_fitting_in_flight_bucket_is_waited_for():
+    pool = BucketPool(device="CPU", alignment_bytes=4, max_cached_bytes=160)
+    larger, smaller = ManualFence(), ManualFence()
+    pool.acquire(24, ms.float32).release(larger)
+    pool.acquire(16, ms.float32).release(smaller)
+    lease = pool.acquire(8, ms.float32)            # 160 cached + 32 would pass the cap
+    assert (smaller.done, larger.done) == (True, False)
+    assert lease.numel == 8 and pool.stats().new_allocations == 2
+    lease.release()
+
+
+def test_eviction_under_the_cap_frees_the_smallest_idle_buckets_first():
+    """An acquire over the cache cap with no fenced bucket to wait for evicts idle buckets,
+    smallest first, only as many as make room: 64 + 128 cached, 160 more under a 320 cap frees
+    the 64-byte bucket only."""
+    pool = BucketPool(device="CPU", alignment_bytes=4, max_cached_bytes=320)
+    small, large = pool.acquire(16, ms.float32), pool.acquire(32, ms.float32)
+    small.release()
+    large.release()
+    pool.acquire(40, ms.float32).release()
+    stats = pool.stats()
+    assert (stats.trimmed_bytes, stats.bytes_reserved, stats.free_buckets) == (64, 288, 2)
+
+
+def test_a_wait_only_fence_is_in_flight_until_the_pool_waits_on_it():
+    pool = BucketPool(alignment_bytes=4)
+    lease = pool.acquire(64, ms.float32)
+    ptr = lease.allocation.untyped_storage().data_ptr()
+    handle = WaitOnlyHandle()
+    lease.release(handle)
+    assert pool.stats().fenced_buckets == 1, "never guessed done"
+    other = pool.acquire(64, ms.float32)
+    assert other.allocation.untyped_storage().data_ptr() != ptr
+    other.release()
+    pool.wait_all()
+    assert handle.waits == 1 and pool.stats().fenced_buckets == 0
+    both = [pool.acquire(64, ms.float32), pool.acquire(64, ms.float32)]
+    assert ptr in [lease.allocation.untyped_storage().data_ptr() for lease in both]
+    assert pool.stats().new_allocations == 2, "the waited bucket is reused, not a third"
+    for lease in both:
+        lease.release()
+
+
+def test_a_wait_only_fence_is_waited_at_the_in_flight_bound():
+    pool = BucketPool(alignment_bytes=4, max_buckets_in_flight=1)
+    first = pool.acquire(64, ms.float32)
+    handle = WaitOnlyHandle()
+    first.release(handle)
+    second = pool.acquire(64, ms.float32)       # at the bound: waits the oldest fence
+    assert handle.waits == 1 and pool.stats().stalls == 1
+    second.release()
+
+
+@pytest.mark.parametrize("fence", [object(), 3, "done", lambda: None], ids=repr)
+def test_a_fence_without_wait_is_refused_and_the_lease_stays_live(fence):
+    pool = BucketPool(alignment_bytes=4)
+    lease = pool.acquire(16, ms.float32)
+    before = pool.stats()
+    with pytest.raises(InvalidFenceError, match="wait"):
+        lease.release(fence)
+    assert not lease.released and pool.stats() == before
+    lease.release()
+
+
+# -- Ctrl-C inside acquire and release, a monitoring thread ---------------------------------------
+def test_interrupts_inside_acquire_and_release_of_the_pool_itself():
+    rng = random.Random(77)
+    pool = BucketPool(alignment_bytes=4, poison_on_release=True, max_buckets_in_flight=2,
+                      max_cached_bytes=64 * 1024)
+    interrupt = Interrupt()
+    held = []
+    try:
+        for step in range(400):
+            try:
+                interrupt.arm(rng.uniform(0.000005, 0.0003))
+                # holder=: the lease is in held as part of the acquire. The oldest lease stays
+                # in held until its release commits: an interrupt between taking a lease out of
+                # the list and releasing it would lose it in this loop, not in the pool.
+                pool.acquire(rng.choice([16, 300, 2048, 4000]),
+                             rng.choice([ms.float32, ms.bfloat16]), holder=held)
+                if len(held) > 3:
+                    fence = FaultInjectingCommunicator(
+                        SingleProcessCommunicator(), delay_seconds=0.001).all_reduce(
+                        ms.Tensor(np.zeros(1, np.float32)))
+                    held[0].release(fence)
+                if step % 37 == 0:
+                    pool.trim()
+                # Disarmed inside the try: a Ctrl-C landing after the work, before the finally
+                # disarms, would otherwise escape the test (CI saw it end the whole session).
+                interrupt.disarm()
+            except KeyboardInterrupt:
+                pass
+            finally:
+                interrupt.disarm()
+            held = [lease for lease in held if not lease.released]
+            assert_consistent(pool, held=len(held))
+    finally:
+        interrupt.close()
+    for lease in held:
+        lease.release()
+    pool.wait_all()
+    assert_consistent(pool, held=0)
+
+
+def test_a_monitoring_thread_while_the_main_thread_reduces():
+    pool = BucketPool(alignment_bytes=4, poison_on_release=True)
+    comm = FaultInjectingCommunicator(SingleProcessCommunicator(), delay_seconds=0.0005)
+    reducer = GradReducer(pool, comm, ReducerConfig(comm_fusion=True))
+    errors, snapshots = [], []
+    stop = threading.Event()
+
+    def monitor():
+        while not stop.is_set():
+            try:
+                stats = pool.stats()
+                assert stats.bytes_reserved <= stats.high_water_bytes
+                snapshots.append(stats.live_leases)
+                pool.trim()
+            except Exception as exc:  # noqa: BLE001 - collected, asserted below
+                errors.append(exc)
+            time.sleep(0.0002)      # a monitor polls; it does not spin on the GIL
+
+    thread = threading.Thread(target=monitor)
+    thread.start()
+    wrong = nan = 0
+    try:
+        for step in range(2000):
+            arrays, tensors = step_grads(step % 50)
+            result = reducer.reduce_scatter(tensors, op="sum")
+            for shard, want in zip(result.wait(), arrays):
+                got = shard.asnumpy()
+                nan += int(np.isnan(got).any())
+                wrong += int(not np.array_equal(got, want))
+            result.release()
+    finally:
+        stop.set()
+        thread.join()
+    assert (errors, nan, wrong) == ([], 0, 0)
+    assert len(snapshots) > 100, "the monitor really ran alongside"
+    pool.wait_all()
+    assert_consistent(pool, held=0)
+
+
+def test_pool_lock_costs_little(capsys):
+    """Reported, not asserted: acquire+release pairs per second with the lock."""
+    pool = BucketPool(alignment_bytes=4)
+    pool.acquire(64, ms.float32).release()
+    start = time.perf_counter()
+    for _ in range(5000):
+        pool.acquire(64, ms.float32).release()
+    per_pair = (time.perf_counter() - start) / 5000
+    with capsys.disabled():
+        print(f"\nacquire+release: {per_pair * 1e6:.1f} us per pair (one lock each)")
+    assert pool.stats().live_leases == 0
+
+
+# -- sizes beyond the device and the cache cap ----------------------------------------------------
+@pytest.mark.parametrize("numel", [2 ** 62, 2 ** 40, 2 ** 61 + 3])
+def test_sizes_beyond_the_device_are_refused_at_acquire(numel):
+    pool = BucketPool()
+    before = pool.stats()
+    with pytest.raises(PoolCapacityError, match=str(numel)):
+        pool.acquire(numel, ms.float32)
+    assert pool.stats() == before and pool._buckets == []
+
+
+def test_a_request_larger_than_the_cache_cap_is_refused_naming_it():
+    pool = BucketPool(max_cached_bytes=4096)
+    with pytest.raises(PoolCapacityError, match="max_cached_bytes=4096") as err:
+        pool.acquire(2048, ms.float32)
+    assert "2048" in str(err.value) and pool.stats().bytes_reserved == 0
+
+
+def test_an_allocation_failure_surfaces_at_acquire(monkeypatch):
+    """A size the device check lets through but the allocator cannot give (256 GiB here)."""
+    monkeypatch.setattr(pool_module, "device_memory_bytes", lambda device: 2 ** 50)
+    pool = BucketPool()
+    pool.acquire(1024, ms.float32).release()
+    before = pool.stats()
+    with pytest.raises(PoolCapacityError, match="allocating a bucket"):
+        pool.acquire(2 ** 36, ms.float32)
+    assert pool.stats() == before
+    assert_reduces_correctly(GradReducer(pool, SingleProcessCommunicator()))
+
+
+# -- the pool's table of the bad-input matrix (tests/bad_inputs.py) -------------------------------
+@pytest.mark.parametrize("name", sorted(POOL_CASES))
+def test_bad_input_is_refused_typed_naming_the_value(name):
+    assert_refused_typed(name)

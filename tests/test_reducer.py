@@ -5,11 +5,18 @@ same NumPy references the 2-rank launch uses (tests/test_reducer_distributed.py)
 on gradpool.pack's device path.
 Part 2 holds what only needs one process: argument errors, the shard-view lifetime contract,
 idempotent release, and the pool's steady state over repeated reductions.
+Part 3 simulates a second rank in-process (``simulated.PeerScaled``): ops and shard dims at two
+ranks, replicas, launches and packs that raise and leak no lease, copy statistics, discard.
+Part 4 is the reducer under what a demanding user does (handles with wait() only, Ctrl-C at
+random instants), and the reducer's table of the bad-input matrix.
 """
 from __future__ import annotations
 
 import gc
+import random
 import sys
+import time
+import types
 import weakref
 from pathlib import Path
 
@@ -18,13 +25,17 @@ import pytest
 
 import mindspore as ms
 
-from gradpool.comm import SingleProcessCommunicator
+from gradpool.comm import Communicator, SingleProcessCommunicator
 from gradpool.testing import FaultInjectingCommunicator
 from gradpool.errors import InvalidArgumentError, LeaseStateError
 from gradpool.layout import ReduceScatterLayout
 from gradpool.dtypes import itemsize
 from gradpool.pool import BucketPool
 from gradpool.reducer import GradReducer, ReducerConfig
+from bad_inputs import REDUCER_CASES, assert_refused_typed
+from npref import np_chunk, values
+from pool_checks import Interrupt, assert_consistent, assert_reduces_correctly, step_grads
+from simulated import PeerScaled, WaitOnlyHandle, make_reducer, random_grads
 
 DIST_DIR = Path(__file__).parent / "distributed"
 sys.path.insert(0, str(DIST_DIR))
@@ -264,3 +275,284 @@ def test_every_wait_on_a_failed_result_sees_the_collective_error():
             result.wait()
         assert info.value is failure
     assert pool.stats().live_leases == 0
+
+
+# -- part 3: a second rank simulated in-process ---------------------------------------------------
+@pytest.mark.parametrize("op, factor", [("sum", 4.0), ("avg", 2.0)])
+def test_reduce_scatter_at_two_ranks_keeps_op_and_shard_dims(op, factor):
+    """Rank 0's shard of each gradient, chunked on its own shard dim, reduced with the op asked
+    for (NumPy's chunk of the gradient times the simulated reduction)."""
+    shapes, dims = [(4, 6), (5,), (3, 5)], [1, 0, 1]
+    raw, grads = random_grads(shapes, 21)
+    reducer = make_reducer(PeerScaled())
+    result = reducer.reduce_scatter(grads, shard_dims=dims, op=op)
+    for shard, full, dim in zip(result.wait(), raw, dims):
+        np.testing.assert_array_equal(values(shard), factor * np_chunk(full, dim, 0, 2))
+    result.release()
+    assert reducer.comm.async_ops == [True] * 3, "every collective is launched asynchronously"
+    packed = reducer.pack(grads, shard_dims=dims, world_size=2)
+    assert [s.shard_dim for b in packed for s in b.layout.slots] == dims
+    reducer.discard(packed)
+
+
+def test_all_reduce_averages_by_default():
+    raw, grads = random_grads([(3, 4), (6,)], 22)
+    comm = PeerScaled()
+    result = make_reducer(comm).all_reduce(grads)
+    for reduced, full in zip(result.wait(), raw):
+        np.testing.assert_array_equal(values(reduced).reshape(full.shape), 2.0 * full)
+    result.release()
+    assert comm.async_ops == [True, True], "every collective is launched asynchronously"
+
+
+def test_replicas_are_all_reduced_once_and_only_when_asked():
+    """HSDP on a 1-rank shard group and a simulated 2-rank replicate group: reduce_scatter
+    all-reduces the replicas by default (avg: x2 here), not with across_replicas=False, and
+    all_reduce_replicas all-reduces once (sum: x4, not x16)."""
+    raw, grads = random_grads([(4, 3), (5,)], 23)
+    reducer = make_reducer(replicate=PeerScaled())
+    for kwargs, factor in ((dict(), 2.0), (dict(across_replicas=False), 1.0)):
+        result = reducer.reduce_scatter(grads, **kwargs)
+        for shard, full in zip(result.wait(), raw):
+            np.testing.assert_array_equal(values(shard), factor * full)
+        result.release()
+    for call, factor in ((lambda: reducer.all_reduce_replicas(grads, op="sum"), 4.0),
+                         (lambda: reducer.all_reduce_replicas(grads), 2.0),
+                         (lambda: reducer.all_reduce(grads), 2.0)):    # replicated parameters
+        result = call()
+        for reduced, full in zip(result.wait(), raw):
+            np.testing.assert_array_equal(values(reduced).reshape(full.shape), factor * full)
+        result.release()
+
+
+def test_a_one_rank_replicate_group_is_no_replicate_group():
+    reducer = make_reducer(replicate=SingleProcessCommunicator())
+    assert reducer.replicate_comm is None
+    raw, grads = random_grads([(4,)], 24)
+    with pytest.raises(InvalidArgumentError) as err:
+        reducer.all_reduce_replicas(grads)
+    assert str(err.value) == ("all_reduce_replicas needs a replicate group of 2 or more ranks "
+                              "(GradReducer(replicate_comm=...))")
+
+
+def test_a_gradient_that_is_no_tensor_is_refused_naming_the_fix():
+    reducer = make_reducer(PeerScaled())
+    with pytest.raises(InvalidArgumentError) as err:
+        reducer.reduce_scatter([np.zeros(4, np.float32)])
+    assert str(err.value) == ("gradient 0 is a ndarray, not a mindspore Tensor; convert it with "
+                              "mindspore.Tensor(...)")
+    assert reducer.pool.stats().new_allocations == 0
+
+
+def test_a_bucket_filled_exactly_to_the_fusion_cap_stays_one_bucket():
+    """comm_fusion packs gradients into one bucket while they fit the cap, the cap itself
+    included: 32 + 32 bytes under a 64-byte cap are one bucket, the next gradient another."""
+    raw, grads = random_grads([(8,), (8,), (1,)], 38)
+    reducer = make_reducer(PeerScaled(), comm_fusion=True, bucket_cap_mib=64 / 2 ** 20)
+    packed = reducer.pack(grads, allow_borrow=False)
+    assert [b.indices for b in packed] == [[0, 1], [2]]
+    reducer.discard(packed)
+
+
+def _no_live_leases_then_a_correct_reduce(reducer, raw, grads):
+    """After a failed reduce every bucket is back (none leased), and the next reduce through
+    the same pool gives NumPy's values."""
+    reducer.pool.wait_all()
+    stats = reducer.pool.stats()
+    assert stats.new_allocations > 0
+    assert (stats.live_leases, stats.free_buckets) == (0, stats.new_allocations)
+    result = reducer.reduce_scatter(grads, op="sum")
+    for shard, full in zip(result.wait(), raw):
+        np.testing.assert_array_equal(values(shard), 4.0 * np_chunk(full, 0, 0, 2))
+    result.release()
+
+
+def test_a_launch_that_raises_surfaces_its_error_and_leaks_no_lease():
+    raw, grads = random_grads([(4, 3), (6,)], 25)
+    comm = PeerScaled(fail_at=2)
+    reducer = make_reducer(comm)
+    with pytest.raises(RuntimeError, match="launch 2 failed"):
+        reducer.reduce_scatter(grads, op="sum")
+    _no_live_leases_then_a_correct_reduce(reducer, raw, grads)
+
+
+def test_a_pack_that_raises_leaks_no_lease(monkeypatch):
+    raw, grads = random_grads([(4, 3), (6,)], 26)
+    reducer = make_reducer(PeerScaled())
+
+    def broken_pack(*args, **kwargs):
+        raise RuntimeError("pack failed")
+
+    monkeypatch.setattr(reducer, "writer", types.SimpleNamespace(pack=broken_pack))
+    with pytest.raises(RuntimeError, match="pack failed"):
+        reducer.reduce_scatter(grads, op="sum")
+    monkeypatch.undo()
+    _no_live_leases_then_a_correct_reduce(reducer, raw, grads)
+
+
+def test_a_failed_launch_or_pack_of_the_two_step_api_surfaces_its_error_and_leaks_no_lease(
+        monkeypatch):
+    """pack() then launch(): a pack that raises, and a launch whose second collective raises,
+    give back every bucket and let their own error through."""
+    raw, grads = random_grads([(4, 3), (6,)], 37)
+    reducer = make_reducer(PeerScaled(fail_at=2))
+    packed = reducer.pack(grads, allow_borrow=False)
+    with pytest.raises(RuntimeError, match="launch 2 failed"):
+        reducer.launch(packed, op="sum")
+    real = reducer.writer.pack
+    calls = []
+
+    def pack_then_fail(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("pack failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(reducer, "writer", types.SimpleNamespace(pack=pack_then_fail))
+    with pytest.raises(RuntimeError, match="pack failed"):
+        reducer.pack(grads, allow_borrow=False)
+    monkeypatch.undo()
+    reducer.comm.fail_at = None
+    _no_live_leases_then_a_correct_reduce(reducer, raw, grads)
+
+
+def test_leases_left_by_a_failed_launch_wait_for_the_collectives_in_flight():
+    """The first bucket's collective is still in flight when the second launch raises: what the
+    failed call still held goes back fenced on it, so none of those buckets is leased again
+    before that collective completes."""
+    raw, grads = random_grads([(4, 3), (6,)], 27)
+    comm = PeerScaled(fail_at=2, pending=True)
+    reducer = make_reducer(comm)
+    with pytest.raises(RuntimeError, match="launch 2 failed"):
+        reducer.reduce_scatter(grads, op="sum")
+    stats = reducer.pool.stats()
+    assert (stats.live_leases, stats.free_buckets, stats.fenced_buckets) == (0, 0, 4)
+    comm.pending = False
+    _no_live_leases_then_a_correct_reduce(reducer, raw, grads)
+
+
+def test_reducer_statistics_time_the_copies_within_the_call():
+    """The pool's copy statistics after one reduce: the bytes of both packed buckets (padding
+    included) and a copy time inside the call's own duration."""
+    shapes = [(64, 8), (33,)]
+    raw, grads = random_grads(shapes, 28)
+    reducer = make_reducer(PeerScaled())
+    start = time.perf_counter()
+    reducer.reduce_scatter(grads, op="sum").release()
+    elapsed = time.perf_counter() - start
+    stats = reducer.pool.stats()
+    assert stats.bytes_copied == sum(4 * ReduceScatterLayout.build([s], 2).total_numel
+                                     for s in shapes)
+    assert 0 < stats.copy_seconds <= elapsed
+
+
+def test_discard_takes_borrowed_and_already_discarded_buckets():
+    """discard gives back what it can and ignores the rest: a zero-copy borrow holds no lease,
+    a second discard finds the lease released."""
+    raw, grads = random_grads([(8, 4)], 29)
+    reducer = make_reducer(PeerScaled(), zero_copy=True)
+    borrowed = reducer.pack(grads)
+    assert borrowed[0].lease is None and borrowed[0].borrowed is not None
+    reducer.discard(borrowed)
+    assert borrowed[0].borrowed is None
+    packed = reducer.pack(grads, allow_borrow=False)
+    reducer.discard(packed)
+    reducer.discard(packed)
+    assert packed[0].lease.released and reducer.pool.stats().live_leases == 0
+    np.testing.assert_array_equal(raw[0], grads[0].astype(ms.float32).asnumpy())
+
+
+def test_accumulate_into_a_launched_bucket_is_refused_naming_the_fix():
+    raw, grads = random_grads([(4, 3)], 30)
+    reducer = make_reducer(PeerScaled())
+    packed = reducer.pack(grads, allow_borrow=False)
+    reducer.launch(packed, op="sum").release()
+    with pytest.raises(LeaseStateError) as err:
+        reducer.accumulate(packed, grads)
+    assert str(err.value) == ("cannot accumulate into a bucket that was launched or discarded; "
+                              "pack the next micro-step anew")
+
+
+# -- part 4: handles with wait() only, Ctrl-C at random instants ----------------------------------
+class WaitOnlyCommunicator(Communicator):
+    """A single-process communicator whose handles have wait() only."""
+
+    def __init__(self):
+        self.inner = SingleProcessCommunicator()
+        self.handles = []
+
+    rank = property(lambda self: 0)
+    world_size = property(lambda self: 1)
+
+    def _hand(self, _inner):
+        handle = WaitOnlyHandle()
+        self.handles.append(handle)
+        return handle
+
+    def _reduce_scatter(self, output, input, op, async_op):
+        return self._hand(self.inner.reduce_scatter(output, input, op))
+
+    def _all_gather(self, output, input, async_op):
+        return self._hand(self.inner.all_gather(output, input))
+
+    def _all_reduce(self, tensor, op, async_op):
+        return self._hand(self.inner.all_reduce(tensor, op))
+
+
+def test_the_reducer_waits_wait_only_handles_and_then_recycles():
+    comm = WaitOnlyCommunicator()
+    pool = BucketPool(alignment_bytes=4, poison_on_release=True)
+    reducer = GradReducer(pool, comm, ReducerConfig(comm_fusion=True))
+    arrays, tensors = step_grads(1)
+    result = reducer.reduce_scatter(tensors, op="sum")
+    assert pool.stats().fenced_buckets == 1, "the input waits for its collective"
+    for shard, want in zip(result.wait(), arrays):
+        np.testing.assert_array_equal(shard.asnumpy(), want)
+    assert all(h.waits == 1 for h in comm.handles)
+    assert pool.stats().fenced_buckets == 0, "waited through the reducer: recycled"
+    result.release()
+    assert pool.stats().live_leases == 0
+
+
+@pytest.mark.parametrize("fusion", [True, False], ids=["fused", "pergrad"])
+def test_interrupts_at_random_instants_leave_the_pool_consistent(fusion):
+    """Hundreds of seeded random Ctrl-Cs through acquire-at-bound (delayed collectives, one bucket
+    in flight), poisoning, lease creation and ReduceResult.release()."""
+    rng = random.Random(1234 if fusion else 4321)
+    pool = BucketPool(alignment_bytes=4, poison_on_release=True, max_buckets_in_flight=1)
+    comm = FaultInjectingCommunicator(SingleProcessCommunicator(), delay_seconds=0.002)
+    reducer = GradReducer(pool, comm, ReducerConfig(comm_fusion=fusion))
+    interrupt = Interrupt()
+    interrupted = 0
+    try:
+        for step in range(300):
+            arrays, tensors = step_grads(step)
+            result = None
+            try:
+                interrupt.arm(rng.uniform(0.00002, 0.004))
+                result = reducer.reduce_scatter(tensors, op="sum")
+                shards = result.wait()
+                got = [s.asnumpy().copy() for s in shards]
+                result.release()
+                interrupt.disarm()
+                for shard, want in zip(got, arrays):
+                    np.testing.assert_array_equal(shard, want)
+            except KeyboardInterrupt:
+                interrupted += 1
+            finally:
+                interrupt.disarm()
+            if result is not None:
+                result.release()        # what a caller holding the result does after Ctrl-C
+            assert_consistent(pool, held=0)
+        pool.wait_all()
+        assert_consistent(pool, held=0)
+        assert_reduces_correctly(reducer)
+    finally:
+        interrupt.close()
+    assert interrupted > 50, f"only {interrupted} of 300 iterations were interrupted"
+
+
+# -- the reducer's table of the bad-input matrix (tests/bad_inputs.py) ----------------------------
+@pytest.mark.parametrize("name", sorted(REDUCER_CASES))
+def test_bad_input_is_refused_typed_naming_the_value(name):
+    assert_refused_typed(name)

@@ -2,7 +2,8 @@
 defaults it documents, the errors it raises (exact text: users read them), what it gives back
 and when, every collective launched asynchronously. Written against the mutants of
 ``make mutation`` the rest of the suite let live. A second rank is simulated in-process
-(``_PeerScaled``; the same behaviours run on 2 real msrun ranks in ``reducer_cases.py``)."""
+(``simulated.PeerScaled``; the same behaviours run on 2 real msrun ranks in
+``reducer_cases.py``)."""
 from __future__ import annotations
 
 import mindspore as ms
@@ -13,7 +14,7 @@ from gradpool.errors import ArgumentTypeError, InvalidArgumentError, LayoutMisma
     LeaseStateError
 from gradpool.reducer import GradReducer, ReducerConfig
 from npref import values
-from test_core_mutants import _ManualHandle, _PeerScaled, _random_grads, _reducer
+from simulated import ManualFence, PeerScaled, make_reducer, random_grads
 
 ms.set_device("CPU")
 
@@ -36,8 +37,8 @@ def test_a_bucket_cap_that_is_not_positive_is_refused_naming_the_field():
 def test_pack_uses_the_world_size_it_is_given():
     """The shard group has 2 ranks; packing for a world of 1 (an all-reduce) lays out whole
     gradients, and a wrong shard_dims length is refused by name."""
-    raw, grads = _random_grads([(4, 3), (5,)], 51)
-    reducer = _reducer(_PeerScaled())
+    raw, grads = random_grads([(4, 3), (5,)], 51)
+    reducer = make_reducer(PeerScaled())
     packed = reducer.pack(grads, world_size=1)
     assert [b.layout.world_size for b in packed] == [1, 1]
     reducer.discard(packed)
@@ -49,8 +50,8 @@ def test_pack_uses_the_world_size_it_is_given():
 
 
 def test_accumulate_errors_say_what_was_wrong_and_change_nothing():
-    raw, grads = _random_grads([(4, 3), (6,)], 52)
-    reducer = _reducer(_PeerScaled(), zero_copy=True)
+    raw, grads = random_grads([(4, 3), (6,)], 52)
+    reducer = make_reducer(PeerScaled(), zero_copy=True)
     packed = reducer.pack(grads, allow_borrow=False)
     before = [values(b.lease.tensor).copy() for b in packed]
     with pytest.raises(InvalidArgumentError) as err:
@@ -74,8 +75,8 @@ def test_accumulate_errors_say_what_was_wrong_and_change_nothing():
 
 
 def test_borrows_count_each_borrowed_gradient_from_zero():
-    raw, grads = _random_grads([(8,), (6,)], 53)
-    reducer = _reducer(_PeerScaled(), zero_copy=True)
+    raw, grads = random_grads([(8,), (6,)], 53)
+    reducer = make_reducer(PeerScaled(), zero_copy=True)
     assert reducer.borrows == 0
     packed = reducer.pack(grads)
     assert reducer.borrows == 2 and all(b.borrowed is not None for b in packed)
@@ -88,8 +89,8 @@ def test_borrows_count_each_borrowed_gradient_from_zero():
 def test_launch_averages_by_default_and_reports_the_count_it_is_given():
     """launch() defaults to avg (the peer sends 3x: avg is 2x); ``count`` sizes the result for
     a caller whose buckets hold only some of its gradients (positions by index)."""
-    raw, grads = _random_grads([(4, 3), (6,)], 54)
-    reducer = _reducer(_PeerScaled())
+    raw, grads = random_grads([(4, 3), (6,)], 54)
+    reducer = make_reducer(PeerScaled())
     result = reducer.launch(reducer.pack(grads), count=3)
     shards = result.wait()
     assert len(shards) == 3 and shards[2] is None
@@ -101,8 +102,8 @@ def test_launch_averages_by_default_and_reports_the_count_it_is_given():
 
 
 def test_launch_all_reduce_reduces_whole_buckets_in_place():
-    raw, grads = _random_grads([(4, 3), (5,)], 55)
-    reducer = _reducer(_PeerScaled())
+    raw, grads = random_grads([(4, 3), (5,)], 55)
+    reducer = make_reducer(PeerScaled())
     packed = reducer.pack(grads, world_size=1, allow_borrow=False)
     result = reducer.launch(packed, op="sum", all_reduce=True)
     for reduced, full in zip(result.wait(), raw):
@@ -117,9 +118,9 @@ def test_launch_all_reduces_across_replicas_by_default_asynchronously():
     default each reduce-scatter's output is all-reduced across the replicas too (avg: 2x per
     group, 4x in all), each collective launched with async_op=True; across_replicas=False
     stops after the reduce-scatter."""
-    raw, grads = _random_grads([(4, 3), (6,)], 56)
-    replicas = _PeerScaled()
-    reducer = _reducer(_PeerScaled(), replicate=replicas)
+    raw, grads = random_grads([(4, 3), (6,)], 56)
+    replicas = PeerScaled()
+    reducer = make_reducer(PeerScaled(), replicate=replicas)
     for kwargs, factor in ((dict(), 2.0 * 2.0), (dict(across_replicas=False), 2.0)):
         result = reducer.launch(reducer.pack(grads), **kwargs)
         for shard, full in zip(result.wait(), raw):
@@ -133,9 +134,9 @@ def test_launch_all_reduces_across_replicas_by_default_asynchronously():
 def test_replicas_all_reduce_whole_shards_whatever_the_shard_group_size():
     """all_reduce_replicas reduces shard gradients as they are (a world of 1), even when the
     shard group has 2 ranks."""
-    raw, grads = _random_grads([(3, 2), (5,)], 57)
-    replicas = _PeerScaled()
-    reducer = _reducer(_PeerScaled(), replicate=replicas)
+    raw, grads = random_grads([(3, 2), (5,)], 57)
+    replicas = PeerScaled()
+    reducer = make_reducer(PeerScaled(), replicate=replicas)
     result = reducer.all_reduce_replicas(grads)
     for reduced, full in zip(result.wait(), raw):
         np.testing.assert_array_equal(values(reduced).reshape(full.shape), 2.0 * full)
@@ -144,8 +145,8 @@ def test_replicas_all_reduce_whole_shards_whatever_the_shard_group_size():
 
 
 def test_launching_a_discarded_bucket_is_refused_and_gives_back_the_rest():
-    raw, grads = _random_grads([(4,), (6,)], 58)
-    reducer = _reducer(_PeerScaled())
+    raw, grads = random_grads([(4,), (6,)], 58)
+    reducer = make_reducer(PeerScaled())
     first, second = reducer.pack(grads)
     reducer.discard([second])
     with pytest.raises(LeaseStateError) as err:
@@ -157,8 +158,8 @@ def test_launching_a_discarded_bucket_is_refused_and_gives_back_the_rest():
 
 
 def test_a_failed_launch_ends_every_borrow():
-    raw, grads = _random_grads([(4,), (6,)], 59)
-    reducer = _reducer(_PeerScaled(fail_at=1), zero_copy=True)
+    raw, grads = random_grads([(4,), (6,)], 59)
+    reducer = make_reducer(PeerScaled(fail_at=1), zero_copy=True)
     packed = reducer.pack(grads)
     with pytest.raises(RuntimeError, match="launch 1 failed"):
         reducer.launch(packed)
@@ -171,8 +172,8 @@ def test_a_released_result_ends_its_borrows_and_cannot_be_waited(caplog):
     """A borrowed gradient's collective completed, the result released unwaited: released
     plainly (nothing left to fence, so no fence wraps a missing handle), the borrow dropped;
     wait() then says why it cannot."""
-    raw, grads = _random_grads([(8,)], 60)
-    reducer = _reducer(_PeerScaled(), zero_copy=True)
+    raw, grads = random_grads([(8,)], 60)
+    reducer = make_reducer(PeerScaled(), zero_copy=True)
     packed = reducer.pack(grads)
     result = reducer.launch(packed)
     with caplog.at_level("WARNING"):
@@ -191,8 +192,8 @@ def test_an_interrupted_release_gives_back_every_bucket_and_logs_a_second_failur
     """The first output release is interrupted (Ctrl-C), and releasing it again during the
     clean-up fails too: every other output still goes back, the failure is logged, the interrupt
     goes on, and a second release() finishes the job."""
-    raw, grads = _random_grads([(4,), (6,), (2,)], 61)
-    reducer = _reducer(_PeerScaled())
+    raw, grads = random_grads([(4,), (6,), (2,)], 61)
+    reducer = make_reducer(PeerScaled())
     result = reducer.reduce_scatter(grads)
     result.wait()
     pool = reducer.pool
@@ -216,7 +217,7 @@ def test_an_interrupted_release_gives_back_every_bucket_and_logs_a_second_failur
 def test_a_chain_is_completed_only_when_both_collectives_are():
     from gradpool.comm import CompletedHandle
     from gradpool.reducer import _Chain
-    pending = _ManualHandle()
+    pending = ManualFence()
     assert _Chain(CompletedHandle(), pending).is_completed() is False
     assert _Chain(pending, CompletedHandle()).is_completed() is False
     assert _Chain(CompletedHandle(), CompletedHandle()).is_completed() is True
@@ -250,7 +251,7 @@ def test_the_config_chooses_the_copy_path_and_a_timed_device_copy_is_waited_for(
         return call
     monkeypatch.setattr(reducer, "writer", types.SimpleNamespace(
         pack=spy("pack"), accumulate=spy("accumulate")))
-    raw, grads = _random_grads([(4,)], 62)
+    raw, grads = random_grads([(4,)], 62)
     packed = reducer.pack(grads)
     reducer.accumulate(packed, grads)
     assert hosts == [host_copies, host_copies]

@@ -1,6 +1,9 @@
-"""Bad input across the public surface: each is refused with a typed error (a subclass of the
-matching builtin) that names the argument and the value, before any bucket is leased or any
-state changes. And fully_shard is transactional: a call that fails leaves the module as it was."""
+"""The bad-input matrix: calls across the public surface that must be refused with a typed error
+(a subclass of the matching builtin, see gradpool.errors) that names the argument and the value,
+before any bucket is leased or any state changes. One table per module; each module's test file
+runs its own table through :func:`assert_refused_typed` (test_pool.py, test_layout.py,
+test_reducer.py, test_runtime.py, test_fully_shard.py), and test_errors.py holds the whole matrix
+to its size."""
 import math
 
 import mindspore as ms
@@ -9,10 +12,9 @@ import pytest
 from mindspore import Parameter, mint, nn
 
 from gradpool import (BucketPool, GradPoolConfig, GradPoolError, GradReducer,
-                      InvalidArgumentError, LayoutMismatchError, ReduceScatterLayout,
-                      ReducerConfig, SingleProcessCommunicator, UnsupportedDtypeError)
+                      LayoutMismatchError, ReduceScatterLayout, ReducerConfig,
+                      SingleProcessCommunicator, UnsupportedDtypeError)
 from hyper_parallel import fully_shard
-from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.core.fully_shard.utils import CPUOffloadPolicy, MixedPrecisionPolicy
 
 ms.set_device("CPU")
@@ -34,8 +36,9 @@ def packed_and_launched():
     return red, buckets
 
 
-# (call, expected error type, a substring the message must hold)
-CASES = {
+# (call, expected error type, a substring the message must hold), one table per module
+# gradpool.pool: BucketPool construction, acquire, reserve, release
+POOL_CASES = {
     # BucketPool construction
     "pool alignment 0": (lambda: BucketPool(alignment_bytes=0), ValueError, "alignment_bytes"),
     "pool alignment 6": (lambda: BucketPool(alignment_bytes=6), ValueError, "multiple of 4"),
@@ -68,7 +71,10 @@ CASES = {
     "reserve count 1.0": (lambda: POOL.reserve(ms.float32, 8, count=1.0), TypeError, "1.0"),
     "reserve numel '8'": (lambda: POOL.reserve(ms.float32, "8"), TypeError, "'8'"),
     "release a tensor": (lambda: POOL.release(f32(4)), ValueError, "Lease"),
-    # layout
+}
+
+# gradpool.layout: ReduceScatterLayout.build
+LAYOUT_CASES = {
     "layout world 0": (lambda: ReduceScatterLayout.build([(4,)], 0), ValueError, "world_size"),
     "layout world True": (lambda: ReduceScatterLayout.build([(4,)], True), TypeError, "True"),
     "layout world 2.0": (lambda: ReduceScatterLayout.build([(4,)], 2.0), TypeError, "2.0"),
@@ -83,6 +89,10 @@ CASES = {
                            "alignment"),
     "layout dims count": (lambda: ReduceScatterLayout.build([(4,), (2,)], 2, 1, [0]), ValueError,
                           "shard_dims has 1"),
+}
+
+# gradpool.reducer: ReducerConfig and GradReducer calls
+REDUCER_CASES = {
     # ReducerConfig
     "reducer fusion 'no'": (lambda: ReducerConfig(comm_fusion="no"), TypeError, "'no'"),
     "reducer zero_copy 'false'": (lambda: ReducerConfig(zero_copy="false"), TypeError, "'false'"),
@@ -113,7 +123,10 @@ CASES = {
     "accumulate int32": (lambda: _accumulate([f32(4)], [ms.Tensor(np.ones(4, np.int32))]),
                          UnsupportedDtypeError, "Int32"),
     "relaunch": (lambda: _relaunch(), RuntimeError, "launched or discarded"),
-    # GradPoolConfig
+}
+
+# gradpool.runtime: GradPoolConfig
+RUNTIME_CASES = {
     "config fusion cap 0": (lambda: GradPoolConfig(bucket_cap_mib=0), ValueError,
                             "bucket_cap_mib"),
     "config cap 1e-12": (lambda: GradPoolConfig(bucket_cap_mib=1e-12), ValueError, "1e-12"),
@@ -130,6 +143,10 @@ CASES = {
                         "poison_on_release"),
     "config verify None": (lambda: GradPoolConfig(verify_gradients=None), TypeError,
                            "verify_gradients"),
+}
+
+# hyper_parallel's fully_shard: its policies and keywords
+FULLY_SHARD_CASES = {
     # policies
     "mp main_grad 'false'": (lambda: MixedPrecisionPolicy(apply_grad_on_fp32_main_grad="false"),
                              TypeError, "'false'"),
@@ -155,6 +172,7 @@ CASES = {
     "fs empty list": (lambda: fully_shard([]), ValueError, "empty list"),
     "fs same twice": (lambda: _twice(), ValueError, "twice"),
 }
+CASES = {**POOL_CASES, **LAYOUT_CASES, **REDUCER_CASES, **RUNTIME_CASES, **FULLY_SHARD_CASES}
 
 
 class Net(nn.Cell):
@@ -192,12 +210,8 @@ def _relaunch():
     red.launch(buckets)
 
 
-def test_the_matrix_has_at_least_sixty_distinct_bad_inputs():
-    assert len(CASES) >= 60
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_bad_input_is_refused_typed_naming_the_value(name):
+def assert_refused_typed(name):
+    """One case of the matrix: refused with its error type, naming the value, nothing leased."""
     call, error, needle = CASES[name]
     before = POOL.stats()
     with pytest.raises(error) as info:
@@ -208,43 +222,3 @@ def test_bad_input_is_refused_typed_naming_the_value(name):
     assert (after.live_leases, after.fenced_buckets) == (0, 0), "nothing left leased"
     if not name.startswith(("accumulate", "relaunch")):    # those pack first, on purpose
         assert after.new_allocations == before.new_allocations, "refused before any allocation"
-
-
-# -- fully_shard is transactional ---------------------------------------------------------------
-def _state(net):
-    return {name: (id(cell._params.get(attr)), cell._params.get(attr).asnumpy().tobytes())
-            for name, cell in net.cells_and_names() for attr in cell._params} | {
-        "markers": [hasattr(p, "hsdp_managed_by") or hasattr(p, "hsdp_param")
-                    for p in net.trainable_params()],
-        "unit": "_hsdp_state" in net.__dict__, "class": type(net)}
-
-
-def _bad_placement(param):
-    return Shard(3) if param.name == "v" else Shard(0)
-
-
-def _raising_placement(param):
-    if param.name == "v":
-        raise KeyError("no rule for v")
-    return Shard(0)
-
-
-@pytest.mark.parametrize("kwargs, needle", [
-    (dict(shard_placement_fn=_bad_placement, replicate_params=None), "Shard(dim=3)"),
-    (dict(shard_placement_fn=_raising_placement, replicate_params=None), "no rule for v"),
-    (dict(replicate_params=None), "0-d"),
-], ids=["bad Shard(dim)", "raising shard_placement_fn", "0-d parameter"])
-def test_a_failing_fully_shard_leaves_the_module_as_it_was(kwargs, needle):
-    net = Net()
-    params_before = list(net.trainable_params())
-    before = _state(net)
-    with pytest.raises(InvalidArgumentError, match=needle.replace("(", r"\(").replace(")", r"\)")):
-        fully_shard(net, **kwargs)
-    assert _state(net) == before
-    assert all(a is b for a, b in zip(net.trainable_params(), params_before))
-    fully_shard(net, replicate_params={net.s})          # corrected: manages every parameter
-    managed = [p.hsdp_param for p in net.trainable_params()]
-    assert {m.name for m in managed} == {"w", "v", "s"}
-    x = ms.Tensor(np.ones((2, 4), np.float32))
-    loss, grads = ms.value_and_grad(lambda x: net(x).sum(), None, net.trainable_params())(x)
-    assert len(grads) == 3 and np.isfinite(float(loss.asnumpy()))
