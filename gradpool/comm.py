@@ -25,12 +25,13 @@ import os
 import threading
 from typing import Callable, Optional
 
+import ml_dtypes
 import mindspore as ms
 import numpy as np
 from mindspore import mint, ops
 
 from gradpool.device import SUPPORTED_DEVICES, device_target, drain_launch_queue, synchronize
-from gradpool.dtypes import check_dtype, host_alias, overwrite
+from gradpool.dtypes import canonicalize_nans, check_dtype, host_alias, overwrite
 from gradpool.errors import CommError, InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -313,16 +314,15 @@ class CpuMcclCommunicator(_GroupCommunicator):
     MindSpore 2.10 has no CPU reduce-scatter kernel, so ``reduce_scatter`` is an **all-reduce of
     the whole input followed by keeping this rank's chunk**: it moves W times the bytes of a real
     reduce-scatter (fine for tests and CPU runs, not a performance model). In a sub-group (a mesh
-    dim) ``all_gather`` is an all-reduce too, AllGather running over the world group only. Every
-    collective runs in pieces of at most :data:`CPU_PIECE_ELEMENTS` (see :func:`cpu_pieces`), each
-    written into the output when it returns. The CPU collectives reject bfloat16, so **bfloat16
-    travels as float32 on the wire** (exact for the values, sums are accumulated in float32) and
-    is cast back when written. ``"avg"`` is the sum divided by the world size, computed
-    out-of-place and then written. Collectives run synchronously: the handle is complete when
-    returned (the device is synchronized so the write really happened).
+    dim) ``all_gather`` is an all-reduce too, AllGather running over the world group only: each
+    rank contributes its input at its own offset and zeros elsewhere. Every collective runs in
+    pieces of at most :data:`CPU_PIECE_ELEMENTS` (see :func:`cpu_pieces`), each staged through
+    host memory into a reused tensor of the wire dtype and written into the output when it
+    returns. The CPU collectives reject bfloat16, so **bfloat16 travels as float32 on the wire**
+    (exact for the values, sums are accumulated in float32) and is rounded back as MindSpore's
+    cast rounds. ``"avg"`` is the sum divided by the world size. Collectives run synchronously:
+    the handle is complete when returned.
     """
-
-    _WIRE_DTYPE = {ms.bfloat16: ms.float32}
 
     def __init__(self, group: Optional[str] = None):
         from mindspore.communication import GlobalComm, get_group_size, get_rank
@@ -330,85 +330,128 @@ class CpuMcclCommunicator(_GroupCommunicator):
         self.group = group or GlobalComm.WORLD_COMM_GROUP
         self._rank = get_rank(self.group)
         self._world = get_group_size(self.group)
+        # (padded length, wire dtype) -> (tensor, its host memory): a piece is written into its
+        # stage with NumPy, which costs less than a slice, a pad and a cast as MindSpore ops.
+        self._stages: dict = {}
 
     def _reduce_scatter(self, output, input, op, async_op) -> CommHandle:
         n = output.numel()
-        # every rank walks every rank's block in the same order: the all-reduces pair up
-        for owner in range(self._world):
-            for start, length, padded in cpu_pieces(n):
-                total = self._run("reduce_scatter", "all_reduce",
-                                  self._piece(input, owner * n + start, length, padded))
-                if owner == self._rank:
-                    self._write(output, start, self._average(total) if op == "avg" else total,
-                                0, length)
-        return self._done()
+        mine = self._rank * n
+        with _HostOutput(output) as dst:
+            for start, total in self._summed("reduce_scatter", _host_input(input), 0,
+                                             input.numel(), op):
+                low, high = max(start, mine), min(start + total.size, mine + n)
+                if low < high:
+                    _cast_into(dst[low - mine:high - mine], total[low - start:high - start])
+        return CompletedHandle()
 
     def _all_gather(self, output, input, async_op) -> CommHandle:
-        n = input.numel()
-        if self.group == self._world_group:
-            for start, length, padded in cpu_pieces(n):
-                gathered = self._run("all_gather", "all_gather",
-                                     self._piece(input, start, length, padded))
+        n, src = input.numel(), _host_input(input)
+        with _HostOutput(output) as dst:
+            if self.group != self._world_group:
+                # AllGather runs only over the world group on CPU ("AllGather only support
+                # mccl_world_group"): the sum of every rank's input at its own offset, zeros
+                # elsewhere (exact: every other addend is zero).
+                for start, total in self._summed("all_gather", src, self._rank * n,
+                                                 self._world * n, "sum"):
+                    _cast_into(dst[start:start + total.size], total)
+                return CompletedHandle()
+            for piece in cpu_pieces(n):
+                start, length, padded = piece
+                gathered = self._run("all_gather", "all_gather", self._stage(piece, src, 0))
+                rows = gathered.reshape(self._world, padded)
                 for owner in range(self._world):
-                    self._write(output, owner * n + start, gathered, owner * padded, length)
-            return self._done()
-        # AllGather runs only over the world group on CPU ("AllGather only support
-        # mccl_world_group"): in a sub-group, each rank sends its input in its owner's turn and
-        # zeros in the others', and the pieces are summed (exact: every other addend is zero).
-        for owner in range(self._world):
-            for start, length, padded in cpu_pieces(n):
-                piece = (self._piece(input, start, length, padded) if owner == self._rank
-                         else mint.zeros(padded, dtype=input.dtype))
-                self._write(output, owner * n + start,
-                            self._run("all_gather", "all_reduce", piece), 0, length)
-        return self._done()
+                    at = owner * n + start
+                    _cast_into(dst[at:at + length], rows[owner, :length])
+        return CompletedHandle()
 
     def _all_reduce(self, tensor, op, async_op) -> CommHandle:
-        # piece by piece in place: a piece is read by its all-reduce before it is overwritten
-        for start, length, padded in cpu_pieces(tensor.numel()):
-            total = self._run("all_reduce", "all_reduce",
-                              self._piece(tensor, start, length, padded))
-            self._write(tensor, start, self._average(total) if op == "avg" else total, 0, length)
-        return self._done()
+        src = _host_input(tensor)
+        with _HostOutput(tensor) as dst:
+            # piece by piece in place: a piece is staged (read) before its result is written
+            for start, total in self._summed("all_reduce", src, 0, tensor.numel(), op):
+                _cast_into(dst[start:start + total.size], total)
+        return CompletedHandle()
 
-    @staticmethod
-    def _piece(tensor: ms.Tensor, start: int, length: int, padded: int) -> ms.Tensor:
-        piece = tensor[start:start + length]
-        if padded == length:
-            return piece
-        return mint.cat([piece, mint.zeros(padded - length, dtype=tensor.dtype)])
+    def _summed(self, name: str, src: np.ndarray, offset: int, numel: int, op: str):
+        """``(start, values)`` per piece of the all-reduced sequence of ``numel`` elements that
+        holds ``src`` at ``offset`` and zeros elsewhere (divided by the world size for "avg")."""
+        for piece in cpu_pieces(numel):
+            total = self._run(name, "all_reduce", self._stage(piece, src, offset))[:piece[1]]
+            yield piece[0], (total / self._world if op == "avg" else total)
 
-    def _run(self, name: str, kind: str, tensor: ms.Tensor) -> ms.Tensor:
-        wire = self._WIRE_DTYPE.get(tensor.dtype)
+    def _stage(self, piece: tuple[int, int, int], src: np.ndarray, offset: int) -> ms.Tensor:
+        """The tensor that carries ``piece`` of the sequence holding ``src`` at ``offset`` and
+        zeros elsewhere: the wire dtype, zero-padded to the piece's padded length."""
+        start, length, padded = piece
+        key = (padded, src.dtype)
+        if key not in self._stages:
+            tensor = mint.zeros(padded, dtype=_WIRE_DTYPE[src.dtype])
+            drain_launch_queue()        # allocated and filled before NumPy writes it
+            self._stages[key] = (tensor, host_alias(tensor))
+        tensor, stage = self._stages[key]
+        low, high = max(start, offset), min(start + length, offset + src.size)
+        stage[:] = 0
+        if low < high:
+            np.copyto(stage[low - start:high - start], src[low - offset:high - offset],
+                      casting="unsafe")          # bfloat16 -> float32 is exact
+        return tensor
+
+    def _run(self, name: str, kind: str, tensor: ms.Tensor) -> np.ndarray:
+        """The collective ``kind`` over ``tensor``; its result's host memory, once written."""
         try:
-            return _jitted(kind, self.group)(tensor.astype(wire) if wire else tensor)
+            result = _jitted(kind, self.group)(tensor)
+            drain_launch_queue()
         except Exception as exc:  # noqa: BLE001 - MindSpore raises RuntimeError/TypeError/...
             raise CommError(f"{name} of {tensor.numel()} x {tensor.dtype} over group "
                             f"{self.group!r} failed on rank {self._rank}: {exc}") from exc
-
-    def _average(self, total: ms.Tensor) -> ms.Tensor:
-        return mint.div(total, self._world)
-
-    @staticmethod
-    def _write(output: ms.Tensor, at: int, result: ms.Tensor, start: int, length: int) -> None:
-        """``result[start:start + length]`` into ``output[at:at + length]``, cast to its dtype."""
-        if result.dtype != output.dtype:        # bfloat16 back from the float32 wire
-            result = result.astype(output.dtype)
-        drain_launch_queue()                    # the piece's collective has written ``result``
-        dst, src = host_alias(output), host_alias(result)
-        if dst is None or src is None:
-            overwrite(output[at:at + length], result[start:start + length])
-            return
-        np.copyto(dst[at:at + length], src[start:start + length])
-
-    @staticmethod
-    def _done() -> CommHandle:
-        synchronize()
-        return CompletedHandle()
+        return host_alias(result)
 
     def __repr__(self) -> str:
         return (f"CpuMcclCommunicator(rank={self._rank}, world_size={self._world}, "
                 f"group={self.group!r})")
+
+
+def _host_input(tensor: ms.Tensor) -> np.ndarray:
+    """A CPU tensor's values as a flat NumPy array, once every queued op writing it has run."""
+    drain_launch_queue()
+    array = host_alias(tensor)
+    return array if array is not None else host_alias(tensor.contiguous())
+
+
+class _HostOutput:
+    """``with _HostOutput(tensor) as array``: ``tensor``'s host memory to write; a tensor that
+    has none (not contiguous) is written from a temporary when the block ends."""
+
+    def __init__(self, tensor: ms.Tensor):
+        drain_launch_queue()        # queued ops writing the tensor run before NumPy writes
+        self._tensor, self._staged = tensor, None
+        self._array = host_alias(tensor)
+        if self._array is None:
+            self._staged = mint.empty(tensor.numel(), dtype=tensor.dtype)
+            self._array = host_alias(self._staged)
+
+    def __enter__(self) -> np.ndarray:
+        return self._array
+
+    def __exit__(self, kind, *_) -> None:
+        if kind is None and self._staged is not None:
+            overwrite(self._tensor, self._staged)
+            drain_launch_queue()
+
+
+def _cast_into(dst: np.ndarray, values: np.ndarray) -> None:
+    """``values`` written into ``dst`` in its dtype, NaNs as MindSpore's cast writes them."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.copyto(dst, values, casting="unsafe")
+    if values.dtype != dst.dtype:
+        canonicalize_nans(dst)
+
+
+# The dtype a host array's values travel as: the CPU collectives reject bfloat16, and float32
+# carries its values exactly.
+_WIRE_DTYPE = {np.dtype(np.float32): ms.float32, np.dtype(np.float16): ms.float16,
+               np.dtype(ml_dtypes.bfloat16): ms.float32}
 
 
 # -- Ascend: HCCL through mint.distributed ----------------------------------------------------

@@ -1,16 +1,10 @@
-"""The one list of gradient dtypes gradpool manages, their sizes, and the one write into a bucket.
-
-Every module that needs to know "is this dtype supported", "how many bytes is an element" or
-"how do I write these values into that tensor on every backend" asks here.
+"""The gradient dtypes gradpool manages, their sizes, the one write into a bucket, and a CPU
+tensor's memory (host memory) as NumPy (:func:`host_alias`).
 
 MindSpore 2.10's CPU backend rejects slice-assignment into bfloat16 ("type_id:45 is invalid") and
 silently drops ``copy_`` into a view at a non-zero offset, so the portable write is
 slice-assignment through an int16 view for bfloat16 (bit-exact), and whole-tensor ``copy_`` only
 where the destination is its whole storage (there ``copy_`` also casts in the same kernel).
-
-On the CPU backend a contiguous tensor's memory is host memory: :func:`host_alias` is it as a
-NumPy array (the CPU communicators copy through it; the host writer, :mod:`gradpool.host`,
-writes buckets through it).
 """
 from __future__ import annotations
 
@@ -29,17 +23,14 @@ _ITEMSIZE = {ms.float32: 4, ms.float16: 2, ms.bfloat16: 2}
 # Hashing a MindSpore dtype is a pybind call: the hot path looks sizes up by the id() of the
 # singleton that _known returns (docs/benchmarks/host-path.md#dtype-lookups).
 _SIZE_OF = {id(dtype): size for dtype, size in _ITEMSIZE.items()}
-# Written through :func:`writable_view`, this makes every element NaN (0x7FC0 is bfloat16's quiet
-# NaN as an int16 bit pattern).
+# See nan_fill; 0x7FC0 is bfloat16's quiet NaN as an int16 bit pattern.
 _NAN_FILL = {ms.float32: float("nan"), ms.float16: float("nan"), ms.bfloat16: 0x7FC0}
 
 
 def _known(dtype):
-    """``dtype`` as the supported dtype object it is (None if it is none of them).
-
-    MindSpore's dtypes are singletons and ``==`` between two of them is a pybind call
-    (docs/benchmarks/host-path.md#dtype-lookups), so identity is tried first; ``==`` stays the
-    rule for anything equal but not identical. The pack path asks this several times per call."""
+    """``dtype`` as the supported dtype object it is (None if none). MindSpore's dtypes are
+    singletons and ``==`` is a pybind call (docs/benchmarks/host-path.md#dtype-lookups) the pack
+    path would make several times per call, so identity is tried first, ``==`` after."""
     for known in SUPPORTED_DTYPES:
         if dtype is known:
             return known
@@ -96,11 +87,9 @@ def is_whole_storage(tensor: ms.Tensor) -> bool:
 
 
 def overwrite(dst: ms.Tensor, src: ms.Tensor) -> None:
-    """Overwrite all of flat ``dst`` with flat ``src`` of the same length, cast to ``dst``'s dtype.
-
-    ``copy_`` when both span their whole storage (one kernel, cast included; on CPU it refuses a
-    view of a larger storage on either side), else slice-assignment, the one write that lands in
-    a prefix view on CPU and on Ascend alike."""
+    """Overwrite all of flat ``dst`` with flat ``src`` of the same length, cast to ``dst``'s dtype:
+    ``copy_`` when both span their whole storage (on CPU it refuses a view of a larger storage on
+    either side), else slice-assignment, which lands in a prefix view on CPU and Ascend alike."""
     if is_whole_storage(dst) and is_whole_storage(src):
         dst.copy_(src)
         return
@@ -112,13 +101,10 @@ def overwrite(dst: ms.Tensor, src: ms.Tensor) -> None:
 def host_address(tensor: ms.Tensor) -> Optional[int]:
     """Where a contiguous CPU ``tensor``'s memory starts (its data pointer); None for a tensor
     that is not contiguous, not on the CPU, empty or lazily initialized (no memory yet).
-
-    MindSpore's device and data-pointer reads wait for its forward queues (``WaitForward``: not
-    the bprop stage, nor any rethrown error a full wait reports), so drain the launch queue
-    first (``gradpool.device.drain_launch_queue``), as the host paths do, where queued ops may
-    still write the tensor."""
-    # init is read directly, as the deprecated has_init property does; _size is what numel()
-    # returns, without its Python frame
+    MindSpore's data-pointer read waits only for its forward queues (``WaitForward``: not the
+    bprop stage, nor a rethrown error), so where queued ops may still write the tensor drain the
+    launch queue first (``gradpool.device.drain_launch_queue``), as the host paths do."""
+    # init and _size: what has_init (deprecated) and numel() read, without their Python frames
     if tensor.init is not None or tensor.device != "CPU" or not is_contiguous(tensor) \
             or tensor._size == 0:
         return None
@@ -126,8 +112,7 @@ def host_address(tensor: ms.Tensor) -> Optional[int]:
 
 
 # MindSpore 2.10's Tensor.data_ptr() and is_contiguous() are Python frames around these TensorPy
-# methods; a small pack calls three of them, so it calls the methods themselves (the public
-# ones where a release has no such name).
+# methods, which a small pack calls directly (the public ones where a release lacks them).
 try:
     from mindspore._c_expression import TensorPy as _TensorPy
     data_pointer: Callable[[ms.Tensor], int] = _TensorPy._data_ptr
@@ -138,18 +123,12 @@ except (ImportError, AttributeError):      # pragma: no cover - another MindSpor
 
 def host_alias(tensor: ms.Tensor, keep_alive: bool = True) -> Optional[np.ndarray]:
     """The memory of a contiguous CPU ``tensor`` of a supported dtype as a flat NumPy array of
-    its ``numel()`` elements (bfloat16 as ``ml_dtypes.bfloat16``), from its data pointer; None
-    for any other tensor.
-
-    It waits for nothing: drain the launch queue first (``gradpool.device.synchronize``) if
-    queued ops may still write the tensor. The array keeps ``tensor`` alive, as ``asnumpy()``'s
-    does; with ``keep_alive=False`` it does not, and is valid only while the tensor's storage is
-    (the host writer's view of a bucket, whose allocation the pool's record holds, or a caller
-    that holds the tensor).
-
-    Built with ``np.frombuffer`` over a ctypes array at the data pointer, the cheapest of the
-    ways measured (an ``__array_interface__`` object and ``asnumpy()`` cost more, and a small
-    pack's fixed cost is a few of these: docs/benchmarks/host-path.md#host-views)."""
+    its ``numel()`` elements (bfloat16 as ``ml_dtypes.bfloat16``); None for any other tensor.
+    It waits for nothing: drain the launch queue first if queued ops may still write the tensor.
+    The array keeps ``tensor`` alive, as ``asnumpy()``'s does; with ``keep_alive=False`` it is
+    valid only while the tensor's storage is (the host writer's bucket view, whose allocation the
+    pool's record holds, or a caller holding the tensor). ``np.frombuffer`` over a ctypes array
+    at the data pointer is the cheapest way measured (docs/benchmarks/host-path.md#host-views)."""
     dtype = tensor.dtype
     size = _SIZE_OF.get(id(dtype))
     if size is None:                   # not a supported singleton itself: one equal to it?
@@ -166,7 +145,30 @@ def host_alias(tensor: ms.Tensor, keep_alive: bool = True) -> Optional[np.ndarra
     return np.frombuffer(memory, _HOST_DTYPE[id(dtype)])
 
 
-# The NumPy dtype of each dtype's memory (bfloat16 as ml_dtypes'); by id() of the dtype that
-# _known returns, like _SIZE_OF.
+# The NumPy dtype of each dtype's memory, by id() of the dtype _known returns (like _SIZE_OF).
 _HOST_DTYPE = {id(ms.float32): np.dtype(np.float32), id(ms.float16): np.dtype(np.float16),
                id(ms.bfloat16): np.dtype(ml_dtypes.bfloat16)}
+
+
+# MindSpore's casts into a 16-bit float write one canonical quiet NaN; NumPy and ml_dtypes keep the
+# sign, NumPy the payload (checked on MindSpore 2.10 CPU over every 16-bit pattern).
+_NAN_ABOVE = {np.dtype(np.float16): 0x7C00, np.dtype(ml_dtypes.bfloat16): 0x7F80}
+_SIGN = 0x8000
+
+
+def canonicalize_nans(array: np.ndarray) -> None:
+    """Rewrite, in place, every NaN of a float16 / bfloat16 array as MindSpore's cast writes it:
+    float16 ``0x7E00`` with the sign kept, bfloat16 ``0x7FC0`` (positive); no-op for float32.
+    Writes only when a NaN is present, so a NaN-free cast stays one write pass."""
+    above = _NAN_ABOVE.get(array.dtype)
+    if above is None or array.size == 0:
+        return
+    bits = array.view(np.uint16)
+    # As uint16, negative NaNs are the largest patterns; as int16, positive NaNs are.
+    if int(bits.max()) <= (_SIGN | above) and int(bits.view(np.int16).max()) <= above:
+        return
+    nan = (bits & 0x7FFF) > above
+    if array.dtype == np.dtype(np.float16):
+        bits[nan] = (bits[nan] & _SIGN) | 0x7E00
+    else:
+        bits[nan] = 0x7FC0

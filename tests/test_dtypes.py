@@ -1,10 +1,12 @@
 """gradpool.dtypes: the supported dtypes by name and by value (a copy of a dtype object is that
 dtype), the refusal of any other, whole-storage tensors, and host_alias (the memory of a CPU
-tensor, or None where there is none of a supported dtype)."""
+tensor, or None where there is none of a supported dtype), and MindSpore's NaNs written into a
+16-bit float array."""
 import copy
 import gc
 import weakref
 
+import ml_dtypes
 import mindspore as ms
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ from mindspore import mint
 from mindspore.common.initializer import One
 
 from gradpool import dtypes
-from gradpool.dtypes import dtype_named, host_alias, is_whole_storage
+from gradpool.dtypes import canonicalize_nans, dtype_named, host_alias, is_whole_storage
 from gradpool.errors import UnsupportedDtypeError
 from npref import round_to, values
 
@@ -88,3 +90,19 @@ def test_host_alias_refuses_what_has_no_host_memory_of_a_supported_dtype():
                    ms.Tensor(np.zeros(0, np.float32)),               # no memory
                    ms.Tensor(shape=(4,), dtype=ms.float32, init=One())):   # not materialized
         assert host_alias(tensor) is None
+
+
+def test_canonicalize_nans_edge_cases():
+    """No-op for float32 and empty arrays; a one-element array is canonicalized too."""
+    f32 = np.array([np.nan, 1.0], np.float32)
+    before = f32.tobytes()
+    canonicalize_nans(f32)
+    assert f32.tobytes() == before
+    canonicalize_nans(np.zeros(0, np.float16))
+    canonicalize_nans(np.zeros(0, ml_dtypes.bfloat16))
+    one = np.array([0xFE01], np.uint16).view(np.float16)         # a negative NaN with payload
+    canonicalize_nans(one)
+    assert one.view(np.uint16).tolist() == [0xFE00]
+    one_bf16 = np.array([0xFF81], np.uint16).view(ml_dtypes.bfloat16)
+    canonicalize_nans(one_bf16)
+    assert one_bf16.view(np.uint16).tolist() == [0x7FC0]

@@ -21,7 +21,7 @@ from gradpool.dtypes import data_pointer
 from gradpool.errors import LayoutMismatchError, LeaseStateError
 from gradpool.host import kernels, views
 from gradpool.host.kernels import STREAM_FROM_BYTES
-from gradpool.host.views import canonicalize_nans, host_view
+from gradpool.host.views import host_view
 from gradpool.host.writer import host_writer
 from gradpool.layout import ReduceScatterLayout
 from gradpool.pool import BucketPool
@@ -31,22 +31,6 @@ ms.set_device("CPU")
 
 
 # -- views: NaNs, host views of tensors -----------------------------------------------------------
-def test_canonicalize_nans_edge_cases():
-    """No-op for float32 and empty arrays; a one-element array is canonicalized too."""
-    f32 = np.array([np.nan, 1.0], np.float32)
-    before = f32.tobytes()
-    canonicalize_nans(f32)
-    assert f32.tobytes() == before
-    canonicalize_nans(np.zeros(0, np.float16))
-    canonicalize_nans(np.zeros(0, ml_dtypes.bfloat16))
-    one = np.array([0xFE01], np.uint16).view(np.float16)         # a negative NaN with payload
-    canonicalize_nans(one)
-    assert one.view(np.uint16).tolist() == [0xFE00]
-    one_bf16 = np.array([0xFF81], np.uint16).view(ml_dtypes.bfloat16)
-    canonicalize_nans(one_bf16)
-    assert one_bf16.view(np.uint16).tolist() == [0x7FC0]
-
-
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_host_view_is_the_memory_of_a_whole_tensor_and_a_copy_of_a_part(dtype):
     """host_view's two cases: a tensor spanning its storage is viewed in place (a write lands in

@@ -1,20 +1,12 @@
 """The host writer: a CPU pool's buckets written in place through their own host memory.
 
-On the CPU backend a tensor's memory is host memory, MindSpore's CPU copy kernel runs well below
-memcpy bandwidth and its casts are slower still
-(docs/benchmarks/host-path.md#cpu-copy-kernel-bandwidth). So :class:`HostWriter` writes with NumPy
-in the lease's allocation, for every supported dtype pair and shard dim: bfloat16 memory is
-viewed as ``ml_dtypes.bfloat16`` (:mod:`gradpool.host.views`), a cast is done by NumPy /
-ml-dtypes while writing (one write pass, no intermediate), an accumulate adds in float32 and
-rounds once into the bucket. A cast rounds to nearest even like MindSpore's; its NaNs are
-rewritten to MindSpore's canonical NaN (a read-only scan unless a NaN is there), so the host and
-device writers write the same bits (``tests/test_pack_casts.py``).
-
-One gradient whose bucket is exactly the flat gradient (the gradient-by-gradient reduce, a large
-gradient) takes a short path with the same checks: a pack, a compiled write between the
-gradient's and the bucket's addresses (:mod:`gradpool.host.kernels`, numba) for a same-dtype
-copy, bfloat16 -> float32 and float32 -> bfloat16, streaming its stores from a size on; an
-accumulate, the other pairs and a process without numba, NumPy / ml-dtypes (same bits, slower).
+On CPU a tensor's memory is host memory, and MindSpore's CPU copy kernel runs well below memcpy
+bandwidth, its casts slower still (docs/benchmarks/host-path.md#cpu-copy-kernel-bandwidth). So
+:class:`HostWriter` writes with NumPy / ml-dtypes (:mod:`gradpool.host.views`), for every dtype
+pair and shard dim, casting while writing and accumulating in float32 rounded once; cast NaNs are
+made MindSpore's canonical NaN, so both writers write the same bits (``tests/test_pack_casts.py``).
+A single gradient whose bucket is the flat gradient takes a compiled write between the two
+addresses (:mod:`gradpool.host.kernels`) where its dtype pair has one.
 """
 from __future__ import annotations
 
@@ -29,10 +21,11 @@ import mindspore as ms
 import numpy as np
 
 from gradpool.device import drain_launch_queue
-from gradpool.dtypes import data_pointer, host_address, host_alias, is_whole_storage, itemsize
+from gradpool.dtypes import (canonicalize_nans, data_pointer, host_address, host_alias,
+                             is_whole_storage, itemsize)
 from gradpool.errors import LeaseStateError
 from gradpool.host import kernels
-from gradpool.host.views import canonicalize_nans, compiled_cast, compiled_writer, host_view
+from gradpool.host.views import compiled_cast, compiled_writer, host_view
 from gradpool.layout import GradSlot, ReduceScatterLayout
 from gradpool.pack import Written, check_gathered, check_write, unshard
 from gradpool.pool import Lease
@@ -40,47 +33,35 @@ from gradpool.pool import Lease
 
 @functools.lru_cache(maxsize=1)
 def host_writer() -> "HostWriter":
-    """The process's host writer, made on first use (a reducer on a CPU pool asks when it is
-    made)."""
+    """The process's host writer, made on first use (by a reducer on a CPU pool)."""
     return HostWriter()
 
 
 class HostWriter:
-    """Packs, accumulates and reads back a CPU pool's buckets through their host memory (a
-    :class:`gradpool.writers.BucketWriter`, for CPU pools only: ``writer_for`` chooses it for
-    them); every write is done when the call returns (``Written.on_host``). Nothing is waited for
-    but the launch queue, drained once per call so NumPy reads and writes come after every queued
-    op that writes a gradient or the bucket.
-
-    Making it compiles the loops (:func:`gradpool.host.kernels.compile_host_loops`, once per
-    process), so no pack compiles inside a training step."""
+    """The :class:`gradpool.writers.BucketWriter` of CPU pools; every write is done when the call
+    returns (``Written.on_host``). Nothing is waited for but the launch queue, drained once per
+    call so NumPy comes after every queued op that writes a gradient or the bucket."""
 
     def __init__(self):
         kernels.compile_host_loops()
-        # id(allocation) -> (its data pointer, its host memory as an array, a weak reference to
-        # it). The pool's record owns the allocation; the entry goes when the allocation does
-        # (the weak reference's callback, which also makes the id unique to it meanwhile), and
-        # the array keeps nothing alive. A released storage's pointer is 0, never the entry's.
+        # id(allocation) -> (data pointer, memory as an array, weak reference). The pool's record
+        # owns the allocation; the weak reference's callback drops the entry with it (so the id
+        # stays unique), the array keeps nothing alive. A released storage's pointer is 0.
         self._views: dict = {}
 
     def pack(self, lease: Lease, grads: Sequence[ms.Tensor],
              layout: ReduceScatterLayout) -> Written:
         """Write ``grads`` into ``lease`` per ``layout``: cast to the lease dtype, pad with zeros.
-
-        One gradient whose bucket is the flat gradient is first offered to a compiled write
-        between the two memories' addresses: the gradient-by-gradient reduce's every pack and the
-        large gradient's bandwidth path. A copy as large as the core's L2 evicts this code and
-        the Python around it runs cold (docs/benchmarks/host-path.md#single-gradient-pack), so it
-        is one flat block making only the checks that make the write safe; anything it declines
-        (another shape or size, a pair without a compiled writer, a tensor with no memory yet, no
-        tensor at all) goes to the general path, which writes it or raises the precise error."""
+        One gradient whose bucket is the flat gradient first gets a compiled write between the two
+        addresses, in one flat block making only the checks that make it safe: after a large copy
+        the Python around it runs cold (docs/benchmarks/host-path.md#single-gradient-pack). What
+        it declines goes to the general path, which writes it or raises the precise error."""
         # identity_shape: None unless the bucket is the flat gradient
         if len(grads) == 1 and (shape := layout.identity_shape) is not None \
                 and lease.numel == layout.total_numel:
             grad = grads[0]
             try:
-                # What Tensor's shape and dtype properties return, read without their Python
-                # frames, which run cold after the last copy.
+                # the shape and dtype properties' values, without their (cold) Python frames
                 grad_shape, grad_dtype = grad._shape, grad._dtype
             except AttributeError:    # not a MindSpore tensor: the general path names it
                 grad_shape = grad_dtype = None
@@ -94,8 +75,7 @@ class HostWriter:
                     numel = lease.numel
                     nbytes, src_nbytes = numel * writer.dst_itemsize, numel * writer.src_itemsize
                     if src < dst + nbytes and dst < src + src_nbytes:
-                        # A gradient over its own bucket: a cast would overwrite elements it has
-                        # yet to read.
+                        # over its own bucket: a cast would overwrite what it has yet to read
                         staged = np.frombuffer(ctypes.string_at(src, src_nbytes), np.uint8)
                         writer.write(dst, staged.ctypes.data, numel)
                     else:
@@ -105,14 +85,11 @@ class HostWriter:
 
     def accumulate(self, lease: Lease, grads: Sequence[ms.Tensor],
                    layout: ReduceScatterLayout) -> Written:
-        """Add ``grads`` (packed per ``layout``) to what ``lease`` holds, in float32, rounded once
-        into the bucket."""
+        """Add ``grads`` (packed per ``layout``) into ``lease`` in float32, rounded once."""
         return self._put(lease, grads, layout, add=True)
 
     def unpack_gathered(self, lease: Lease, layout: ReduceScatterLayout) -> list[ms.Tensor]:
-        """The full tensors of an all-gather bucket, copied out with NumPy (see
-        :func:`gradpool.pack.unpack_gathered`): each owns new memory, so the bucket may be
-        recycled as soon as this returns."""
+        """:func:`gradpool.pack.unpack_gathered` with NumPy; the bucket is reusable on return."""
         check_gathered(lease, layout)
         drain_launch_queue()          # the collective that filled the bucket has run
         rows = self.bucket_array(lease).reshape(layout.world_size, layout.row_numel)
@@ -123,14 +100,10 @@ class HostWriter:
         return [unshard(flat, slot) for flat, slot in zip(flats, layout.slots)]
 
     def bucket_array(self, lease: Lease) -> np.ndarray:
-        """``[0, numel)`` of the lease's allocation as a NumPy array of its dtype (bfloat16 as
-        ``ml_dtypes.bfloat16``): writes land in the bucket, and nothing is waited for (drain the
-        launch queue first if queued ops may write it). Valid while the lease is live.
-
-        The array over the whole allocation is built once per allocation. MindSpore may give a
-        tensor new memory (a fused all-gather's receive bucket was seen to move during a forward
-        with prefetch), so the pointer is read on every call and the array rebuilt when it
-        moved."""
+        """``[0, numel)`` of the lease's allocation as a NumPy array (bfloat16 as ml_dtypes'), valid
+        while the lease is live; writes land in the bucket, nothing is waited for. Built once per
+        allocation, but the pointer is read every call: MindSpore may move a tensor's memory (a
+        fused all-gather's receive bucket moved during a forward with prefetch)."""
         allocation = lease.allocation           # raises LeaseStateError on a released lease
         pointer = data_pointer(allocation)
         view = self._views.get(id(allocation))
@@ -161,14 +134,10 @@ class HostWriter:
 
     def _put_one(self, lease: Lease, grad: ms.Tensor, layout: ReduceScatterLayout,
                  add: bool) -> Optional[Written]:
-        """One gradient into a bucket that is exactly the flat gradient: the general path's
-        checks and write in one flat function. None, having written nothing, unless ``grad`` is
-        a contiguous CPU tensor of the layout's shape and a supported dtype and the lease holds
-        the layout's elements; the general path then writes it or raises the precise error.
-
-        What an accumulate of one gradient takes, and a pack whose dtype pair has no compiled
-        address writer or runs without numba: NumPy over the two memories, fewer call levels
-        than the general path's."""
+        """One gradient into a bucket that is the flat gradient, with NumPy (an accumulate, or a
+        pack without a compiled writer): the general path's checks and write in one function.
+        None, having written nothing, unless ``grad`` is a contiguous CPU tensor of the layout's
+        shape and a supported dtype and the lease holds the layout's elements."""
         if grad.shape != layout.slots[0].shape or lease.numel != layout.total_numel:
             return None
         drain_launch_queue()          # as in _write: the producer of grad has run
@@ -189,14 +158,12 @@ class HostWriter:
 
     def _write(self, lease: Lease, grads, layout: ReduceScatterLayout, add: bool) -> None:
         """The general path: write (or add) into the bucket's own host memory with NumPy."""
-        # One drain orders the NumPy writes after every queued op that writes the bucket (a
-        # pending poison fill) or writes a gradient (the op that produced it); the views below
-        # wait for nothing.
+        # One drain orders the NumPy writes after every queued op writing the bucket (a pending
+        # poison fill) or a gradient; the views below wait for nothing.
         drain_launch_queue()
         bucket = self.bucket_array(lease)
         if layout.is_identity():
-            # The bucket is the flat gradient: one call, none of the per-chunk bookkeeping (this
-            # is most of a small pack's fixed cost besides taking the two host views).
+            # one call, none of the per-chunk bookkeeping (most of a small pack's fixed cost)
             rounded = _write_flat(bucket, _source_array(grads[0]), add)
         else:
             rounded = add
@@ -204,8 +171,7 @@ class HostWriter:
             if not add:
                 for start, end in layout.gaps():
                     rows[:, start:end] = 0
-            # NaN and out-of-range values are cast as MindSpore casts them (NaN, inf): NumPy's
-            # warnings about them are noise here.
+            # NaN and out-of-range values cast as in MindSpore (NaN, inf): NumPy's warning is noise
             with np.errstate(invalid="ignore", over="ignore"):
                 for slot, grad in zip(layout.slots, grads):
                     src = _source_array(grad)
@@ -226,25 +192,20 @@ def _write_flat(bucket: np.ndarray, src: np.ndarray, add: bool) -> bool:
     elif not add and (src.dtype, bucket.dtype) in _QUIET_CASTS:
         np.copyto(bucket, src, casting="unsafe")
     else:
-        # NaN and out-of-range values are cast as MindSpore casts them (NaN, inf): NumPy's
-        # warnings about them are noise here.
         with np.errstate(invalid="ignore", over="ignore"):
             _into(bucket, src, add)
     return rounded
 
 
 # Casts that raise no floating-point flag for any input (ml_dtypes widens bfloat16 with integer
-# operations), so they need no np.errstate, a noticeable part of a small pack
-# (docs/benchmarks/host-path.md#floating-point-error-state). Narrowing casts
-# flag: float32 -> bfloat16 a signalling NaN (invalid), float32 -> float16 overflow.
-# tests/test_pack_casts.py packs every pattern of each pair with warnings as errors.
+# ops; tests/test_pack_casts.py checks) skip np.errstate, a noticeable part of a small pack
+# (docs/benchmarks/host-path.md#floating-point-error-state); narrowing casts do flag.
 _QUIET_CASTS = frozenset({(np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))})
 
 
 def _source_array(grad: ms.Tensor) -> np.ndarray:
-    """A gradient's values to read (flat): its memory when it is a contiguous CPU tensor (views
-    that do not span their storage included, which ``asnumpy()`` would copy), else
-    ``host_view``'s copy. The caller holds ``grad`` while it reads."""
+    """A gradient's values to read (flat): its memory when it is a contiguous CPU tensor (even a
+    view ``asnumpy()`` would copy), else ``host_view``'s copy; the caller holds ``grad``."""
     array = host_alias(grad, keep_alive=False)
     return array if array is not None else host_view(grad).reshape(-1)
 

@@ -204,6 +204,52 @@ for _dt in DTYPES:
     suite.add(f"collectives_in_pieces_{_dt}", _in_pieces(_dt))
 
 
+def _bfloat16_bits(rank: int) -> np.ndarray:
+    """Rank 0 sends 1.0 where the others send 2**-8 or 3 * 2**-9 (sums no bfloat16 holds: a tie
+    to even and a round up), a negative NaN with payload where the others send 1.0, and every
+    rank infinity, the largest bfloat16 (its sum overflows) and zero."""
+    first = [0x3F80, 0x3F80, 0xFFC1] if rank == 0 else [0x3B80, 0x3BC0, 0x3F80]
+    return np.array(first + [0x7F80, 0x7F7F, 0x0000], np.uint16)
+
+
+def _as_bfloat16(bits: np.ndarray) -> ms.Tensor:
+    return ms.Tensor(bits.view(np.int16)).view(ms.bfloat16)
+
+
+def _cast_bits(values: np.ndarray) -> list:
+    """The bits MindSpore's cast writes for float32 ``values`` into bfloat16."""
+    cast = ms.Tensor(values.astype(np.float32)).astype(ms.bfloat16)
+    return writable_view(cast).asnumpy().view(np.uint16).tolist()
+
+
+@suite.case
+def bfloat16_results_have_the_bits_of_mindspores_cast(ctx: Context) -> dict:
+    """bfloat16 travels as float32: its sums are rounded back as MindSpore's cast rounds (to
+    nearest even, overflow to infinity) and a NaN comes back as the NaN that cast writes, for an
+    all-reduce, a reduce-scatter and an all-gather alike."""
+    world = ctx.world_size
+    sent = [_bfloat16_bits(r) for r in range(world)]
+    floats = [(bits.astype(np.uint32) << 16).view(np.float32) for bits in sent]
+    with np.errstate(invalid="ignore", over="ignore"):
+        total = np.sum(floats, axis=0, dtype=np.float32)
+    mine = sent[ctx.rank]
+    summed = _as_bfloat16(mine.copy())
+    ctx.comm.all_reduce(summed, op="sum")
+    shard = mint.zeros(mine.size, dtype=ms.bfloat16)
+    ctx.comm.reduce_scatter(shard, _as_bfloat16(np.tile(mine, world)), op="sum")
+    gathered = mint.zeros(world * mine.size, dtype=ms.bfloat16)
+    ctx.comm.all_gather(gathered, _as_bfloat16(mine))
+
+    def raw(t):
+        return writable_view(t).asnumpy().view(np.uint16).tolist()
+    return {"all_reduce_bits": equal(raw(summed), _cast_bits(total)),
+            "reduce_scatter_bits": equal(raw(shard), _cast_bits(total)),
+            "all_gather_bits": equal(raw(gathered), _cast_bits(np.concatenate(floats))),
+            # at 2 ranks: a tie to even (down), a round up, and the canonical NaN
+            "data_rounds_and_has_a_nan": equal(_cast_bits(total)[:3] if world == 2 else None,
+                                               [0x3F80, 0x3F81, 0x7FC0] if world == 2 else None)}
+
+
 # -- argument checks (local: no rank enters a collective) --------------------------------------
 @suite.case
 def wrong_output_size_raises(ctx: Context) -> dict:
