@@ -1,24 +1,11 @@
 """gradpool: a pre-allocated, fenced gradient bucket pool for MindSpore FSDP reduce paths.
 
-What users (and ``hyper_parallel``) import::
-
-    from gradpool import BucketPool, GradReducer, ReducerConfig, SingleProcessCommunicator
-    pool = BucketPool()
-    reducer = GradReducer(pool, SingleProcessCommunicator(), ReducerConfig(comm_fusion=True))
-    result = reducer.reduce_scatter(grads)
-    shards = result.wait()          # one shard view per gradient
-    result.release()                # output buckets back to the pool
-
-Layers, bottom up (``tests/test_architecture.py`` keeps the arrows pointing down):
-``errors``, ``layout`` and ``reuse`` (pure Python) and ``dtypes``, ``device`` -> ``pool`` |
-``comm`` | ``gathered`` (siblings) -> ``pack`` (the device writer) -> ``host`` (the CPU host
-writer) -> ``writers`` -> ``reducer`` -> ``runtime`` -> ``testing``; ``hyper_parallel`` and
-``gradpool.app`` (model, training job, YAML config, CLI, msrun launcher) sit on top.
-
-The imports below, under ``TYPE_CHECKING``, are the façade: every name it exports and where it
-lives, for readers and static tools. At run time each name is imported on first use (PEP 562), so
-``import gradpool.layout`` stays free of MindSpore; the table of where to find it is read from
-those same import statements.
+What users (and ``hyper_parallel``) import: the names of ``__all__``; the reduce path's usage is
+in :mod:`gradpool.reducer`. The layers, bottom up, are listed and enforced in
+``tests/test_architecture.py``; ``hyper_parallel`` and ``gradpool.app`` (model, training job, YAML
+config, CLI, msrun launcher) sit on top. The ``TYPE_CHECKING`` imports below are the façade, every
+exported name and where it lives; at run time each is imported on first use (PEP 562; the table
+is read from those imports), so ``import gradpool.layout`` stays free of MindSpore.
 """
 import ast
 import importlib

@@ -29,12 +29,9 @@ def _host_memory_bytes() -> int:
 
 
 def device_target() -> str:
-    """The context's device target ("CPU", "Ascend"), read afresh on every call.
-
-    Not cached: ``set_context(device_target=...)`` may still change it. ``get_context``
-    validates every target-specific option before it reads the one value, and ``synchronize``
-    asks once per collective and per timed pack, so the value is read straight from the context
-    object where MindSpore has it, else through ``get_context``
+    """The context's device target ("CPU", "Ascend"), read afresh on every call (``set_context``
+    may still change it), straight from the context object where MindSpore has one: ``get_context``
+    validates every option first, and ``synchronize`` asks per collective and per timed pack
     (docs/benchmarks/host-path.md#reading-the-device-target)."""
     reader = _target_reader()
     if reader is not None:
@@ -56,10 +53,8 @@ def _target_reader():
 
 
 def synchronize() -> None:
-    """Block until every op launched so far has run.
-
-    ``ms.runtime.synchronize`` serves Ascend only (on CPU it logs "CPU device is not supported"),
-    so the CPU backend drains PyNative's launch queue instead."""
+    """Block until every op launched so far has run. ``ms.runtime.synchronize`` serves Ascend
+    only (on CPU it logs "CPU device is not supported"): CPU drains PyNative's launch queue."""
     if device_target() == "Ascend":
         import mindspore as ms
         ms.runtime.synchronize()
@@ -68,19 +63,16 @@ def synchronize() -> None:
 
 
 def drain_launch_queue() -> None:
-    """Block until every op PyNative has queued so far has run: all of ``synchronize`` on CPU,
-    for callers that know they run there (the host copy path). An op that failed in the queue
-    raises here, as it would at ``synchronize``."""
+    """Block until every op PyNative has queued so far has run (``synchronize`` on CPU, for
+    callers known to run there); an op that failed in the queue raises here, as it would there."""
     _pipeline_wait()()
 
 
 @functools.lru_cache(maxsize=1)
 def _pipeline_wait():
-    # MindSpore's wait for its four PyNative stages (frontend, bprop, backend, launch; each
-    # rethrows an op's failure): the waits the executor's sync makes on CPU, where there is no
-    # stream to synchronize, without the rest of the executor around them, which costs more
-    # inside a pack, where the last copy evicted the core's caches. Imported once: an import
-    # statement is not free on every call (docs/benchmarks/host-path.md#draining-the-launch-queue).
+    # MindSpore's wait for its four PyNative stages (each rethrows an op's failure): what the
+    # executor's sync waits for on CPU, without the rest of the executor, which costs more inside
+    # a pack; imported once (docs/benchmarks/host-path.md#draining-the-launch-queue).
     try:
         from mindspore._c_expression import _wait_pipeline
         return _wait_pipeline
@@ -105,10 +97,9 @@ def launches_blocking() -> bool:
 
 
 def block_launches() -> None:
-    """Run every op of this process synchronously from now on (process-wide; MindSpore has no way
-    back). On CPU ranks sharing a machine's cores this makes a small model's step much faster:
-    PyNative's queue threads of every rank otherwise compete for the same cores (measured in the
-    docs/launch.md, "Op launch on CPU")."""
+    """Run every op of this process synchronously from now on (process-wide, no way back). On CPU
+    ranks sharing a machine's cores a small model's step gets much faster: every rank's PyNative
+    queue threads otherwise compete for them (docs/launch.md#op-launch-on-cpu)."""
     import mindspore as ms
     ms.runtime.launch_blocking()
 
@@ -123,10 +114,9 @@ def _malloc_trim():
 
 
 def return_free_host_memory() -> bool:
-    """Hand the C allocator's free pages back to the OS (glibc's ``malloc_trim``); False, doing
-    nothing, where there is no such call. Why: once a large block has been freed, glibc raises
-    its mmap threshold, and later large blocks come from the heap, which keeps what they free
-    (on CPU, tensors are host memory: docs/benchmarks/memory.md#the-host-allocator)."""
+    """Hand the C allocator's free pages back to the OS (glibc's ``malloc_trim``; False without
+    it): after a large free glibc raises its mmap threshold, so later large blocks come from the
+    heap, which keeps what they free (docs/benchmarks/memory.md#the-host-allocator)."""
     trim = _malloc_trim()
     if trim is None:
         return False

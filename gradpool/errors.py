@@ -1,7 +1,5 @@
-"""Typed errors raised at gradpool's public boundary.
-
-Every error names the value that was wrong and, where there is one, what to do instead.
-"""
+"""Typed errors raised at gradpool's public boundary; each names the wrong value and, where there
+is one, what to do instead."""
 
 
 class GradPoolError(Exception):
@@ -45,10 +43,6 @@ class CommError(GradPoolError, RuntimeError):
     """A collective failed, or was called with buffers of the wrong size or dtype."""
 
 
-
-
-
-
 class GradientIntegrityError(GradPoolError, RuntimeError):
     """A gradient handed to the reduce path was changed or freed before the path was done."""
 
@@ -67,14 +61,7 @@ class StateMismatchError(GradPoolError, ValueError):
     missing or unexpected, another shape or dtype (the message names the first bad key)."""
 
 
-
-
-
-
-
-
-# -- argument checks at the public boundary (no silent coercion: True is not 1, "no" is not
-# False, nan is not a size) ---------------------------------------------------------------------
+# -- argument checks (no silent coercion: True is not 1, "no" is not False, nan is not a size) --
 def check_bool(name: str, value) -> None:
     if not isinstance(value, bool):
         raise ArgumentTypeError(f"{name} must be a bool (True or False), got "

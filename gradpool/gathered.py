@@ -2,21 +2,17 @@
 and refilled in place before backward.
 
 Why in place: autograd saves the tensor a unit's forward computed with, so the memory can be
-given back after forward only if the *same tensor* is refilled before backward reads it. The
-storage is resized to 0 bytes and regrown (what upstream hyper_parallel and PyTorch FSDP2 do),
-and refilled through ``.data`` so the refill does not bump the tensor's version: a plain
-``copy_`` makes MindSpore's backward refuse the saved tensor ("modified by an inplace
-operation"; ``shared/probes/reshard_storage.py``).
+given back after forward only if the *same tensor* is refilled before backward reads it. Its
+storage is resized to 0 bytes and regrown (as upstream hyper_parallel and PyTorch FSDP2 do) and
+refilled through ``.data``, which does not bump its version: after a plain ``copy_`` MindSpore's
+backward refuses the saved tensor ("modified by an inplace operation";
+``shared/probes/reshard_storage.py``).
 
-Ownership: this is gradpool's second storage-resizing path (the pool's ``_release_storage`` is
-the first). :func:`_resize_storage` takes an :class:`_Allocation` record, and an ``_Allocation``
-is made only by :class:`GatheredParam`, around a tensor it allocated itself. A caller's
-tensor, an autograd gradient or a user's parameter never has such a record, so it can never be
-resized (``tests/test_pool.py`` checks both paths on the source).
-
-Poison (``poison=True``, a debug mode): a release fills the memory with NaN and keeps it, so a
-read of released memory before the refill turns values NaN in tests instead of reading whatever
-the allocator put there; nothing is given back in that mode.
+Ownership: :func:`_resize_storage`, gradpool's second storage-resizing path beside the pool's
+``_release_storage``, takes an :class:`_Allocation`, made only by :class:`GatheredParam` around a
+tensor it allocated, so a caller's tensor can never be resized (``tests/test_pool.py`` checks
+both paths on the source). ``poison=True`` (debug): a release fills the memory with NaN and keeps
+it, so a read before the refill shows NaN instead of whatever the allocator left.
 """
 from __future__ import annotations
 
@@ -54,10 +50,9 @@ class GatheredStats:
 
 
 class GatheredParam:
-    """A full parameter of ``shape`` and ``dtype`` whose memory comes and goes.
-
-    ``tensor`` is the same object for the whole life of the record (autograd may hold it);
-    ``resident`` says whether its memory is held, ``valid`` whether it holds the last fill."""
+    """A full parameter of ``shape`` and ``dtype`` whose memory comes and goes: ``tensor`` is the
+    same object for the record's whole life (autograd may hold it); ``resident`` says whether its
+    memory is held, ``valid`` whether it holds the last fill."""
 
     def __init__(self, shape: tuple, dtype, *, poison: bool = False):
         check_dtype(dtype)
@@ -85,8 +80,7 @@ class GatheredParam:
         return self._record.nbytes if self.resident else 0
 
     def fill(self, full: ms.Tensor) -> ms.Tensor:
-        """Write ``full`` (cast to this dtype) into the memory, regrown first if it was released,
-        without bumping the tensor's version; returns :attr:`tensor`."""
+        """Write ``full`` (cast) into the memory via :meth:`target`; returns :attr:`tensor`."""
         if tuple(full.shape) != self.shape:
             raise InvalidArgumentError(
                 f"cannot fill a gathered parameter of shape {self.shape} with shape "
@@ -119,7 +113,7 @@ class GatheredParam:
         self.valid = False
         self.stats.releases += 1
         if self.poison:
-            if self.nbytes:   # a copy, not slice assignment: under autograd that writes a new tensor
+            if self.nbytes:   # a copy: slice assignment under autograd writes a new tensor
                 nans = ms.Tensor(np.full(self.nbytes // itemsize(self.dtype), np.nan, np.float32))
                 overwrite(self.tensor.data.reshape(-1), nans)
             return

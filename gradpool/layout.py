@@ -1,15 +1,11 @@
 """Where each gradient's rank-chunks sit in a reduce-scatter bucket. Pure Python, no MindSpore.
 
 The input bucket of world size W is viewed as ``[W, row_numel]``. Row ``r`` holds, for every
-gradient in order, that gradient's ``r``-th chunk along its shard dim, so one reduce-scatter of
-the flat bucket leaves rank ``r`` with row ``r``: its contiguous shard of every gradient.
-
-* Uneven shards: the shard dim is padded up to ``W * chunk_size`` (``chunk_size = ceil(d / W)``),
-  so all W chunks of a gradient have the same length; the padded rows are zero.
-* Alignment: each chunk starts at a multiple of ``alignment`` elements inside its row, and the
-  row length is a multiple of ``alignment`` too, so every chunk of every row is aligned.
-* A shard dim other than 0 chunks along that dim; the chunk is stored contiguously with the shard
-  dim at its original position (shape ``chunk_shape``).
+gradient in order, its ``r``-th chunk along its shard dim, so one reduce-scatter of the flat
+bucket leaves rank ``r`` with row ``r``: its contiguous shard of every gradient. Uneven shards:
+the shard dim is zero-padded up to ``W * chunk_size`` (``chunk_size = ceil(d / W)``). Each chunk
+starts at a multiple of ``alignment`` elements inside its row, whose length is a multiple of it
+too. A chunk along a shard dim other than 0 is stored contiguously, of shape ``chunk_shape``.
 """
 from __future__ import annotations
 
@@ -45,8 +41,7 @@ class GradSlot:
 
     @classmethod
     def of(cls, shape: Sequence[int], world_size: int, shard_dim: int = 0) -> "GradSlot":
-        """The chunk geometry of one tensor of ``shape`` sharded ``world_size`` ways on
-        ``shard_dim`` (a parameter's shard, independent of any bucket)."""
+        """The chunk geometry of a ``shape`` tensor sharded ``world_size`` ways on ``shard_dim``."""
         return ReduceScatterLayout.build([shape], world_size, 1, [shard_dim]).slots[0]
 
     @property
@@ -126,8 +121,7 @@ class ReduceScatterLayout:
         return cls(world_size=world_size, alignment=alignment, slots=tuple(slots),
                    row_numel=round_up(cursor, alignment))
 
-    # Derived sizes are cached on the (frozen) instance: every pack asks for them, and computing
-    # them is a sum over the slots.
+    # Cached on the (frozen) instance: every pack asks, and computing them sums over the slots.
     @functools.cached_property
     def total_numel(self) -> int:
         """Elements in the whole input bucket (``W * row_numel``)."""
@@ -179,8 +173,7 @@ class ReduceScatterLayout:
 
     @functools.cached_property
     def identity_shape(self) -> Optional[tuple[int, ...]]:
-        """The one gradient's shape when :meth:`is_identity`, else None (one attribute read for
-        the single-gradient pack, which asks on every call)."""
+        """The one gradient's shape when :meth:`is_identity`, else None (one read per pack)."""
         return self.slots[0].shape if self._identity else None
 
     @functools.cached_property
@@ -192,11 +185,10 @@ class ReduceScatterLayout:
 
 def fusion_groups(items: Sequence[tuple[object, int]], cap_bytes: float,
                   fused: bool = True) -> list[tuple[object, list[int]]]:
-    """Which gradients share a bucket: ``items`` are ``(reduce dtype, bytes)`` in gradient order;
-    the result is ``(dtype, indices)`` per bucket, in the order the buckets open. Not ``fused``:
-    one bucket each. Fused: per dtype, gradients join the dtype's open bucket until the next one
-    would pass ``cap_bytes`` (a gradient larger than the cap gets a bucket of its own). The
-    reducer and the memory plan both group with this."""
+    """Which gradients share a bucket (for the reducer and the memory plan): ``items`` are
+    ``(reduce dtype, bytes)`` in gradient order; the result is ``(dtype, indices)`` per bucket, in
+    the order the buckets open. Not ``fused``: one bucket each. Fused: gradients join their
+    dtype's open bucket until the next would pass ``cap_bytes`` (a larger one gets its own)."""
     if not fused:
         return [(dtype, [i]) for i, (dtype, _) in enumerate(items)]
     groups: list[tuple[object, list[int]]] = []

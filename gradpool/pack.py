@@ -1,29 +1,19 @@
 """The writes into pool buckets (pack, accumulate), the shard views of an output bucket, and the
 chunk geometry of one parameter (its local shard, and the full tensor back from all chunks).
 
-Every function takes its inputs explicitly (destination lease, gradients, layout) and returns
-what it wrote; the caller records statistics. Caller tensors are only ever read here.
-
 MindSpore 2.10's CPU backend silently ignores ``copy_`` into a view at a non-zero offset, makes
-``add_`` out-of-place, rejects slice-assignment into bfloat16 and has no pad kernel. So on the
-**device path** (portable to Ascend):
+``add_`` out-of-place, rejects slice-assignment into bfloat16 and has no pad kernel. So on this
+**device path** (portable to Ascend) a pack writes each gradient's chunks straight into the
+bucket's ``[W, row]`` grid by slice-assignment, every byte once and no bucket-sized tensor made
+(:func:`_write_in_place`; ``tests/test_pack_device.py`` counts both); an identity layout's one
+gradient is written straight from it; an accumulate assembles the packed gradients with one
+``mint.cat`` (far cheaper per input than a slice-assignment per gradient,
+docs/benchmarks/host-path.md#device-path-assembly), adds out of place and writes the sum back.
 
-* a pack writes each gradient's chunks straight into their columns of the bucket's ``[W, row]``
-  grid by slice-assignment and zero-fills padding and gaps where they lie: every byte of the
-  bucket is written once and no tensor of its size is made (:func:`_write_in_place`;
-  ``tests/test_pack_device.py`` counts both). A cast is done by the write itself, except to or
-  from bfloat16 on CPU (its copy kernel takes no bfloat16: a tensor of the gradient's size goes
-  first); a gradient sharded on a dim other than 0 is padded and permuted into chunk order first;
-* a single gradient whose layout is the identity is written straight from the gradient (one
-  pass: the large-gradient bandwidth path);
-* accumulation assembles the packed gradients out of place with one ``mint.cat`` (far cheaper
-  per input than a slice-assignment per gradient, docs/benchmarks/host-path.md#device-path-assembly),
-  adds them out of place (CPU's ``add_`` is out of place) and writes the sum back.
-
-These functions are the **device writer** (:data:`DEVICE`), one of the two bucket writers
-(:mod:`gradpool.writers`); a CPU pool's buckets are written through their host memory by the
-other, the host writer (:mod:`gradpool.host`), which shares the checks and the chunk geometry
-here.
+Each function returns what it wrote (the caller records statistics); caller tensors are only
+ever read. They are the **device writer** (:data:`DEVICE`) of :mod:`gradpool.writers`; the host
+writer (:mod:`gradpool.host`) writes a CPU pool's buckets through their host memory and shares
+the checks and the chunk geometry here.
 """
 from __future__ import annotations
 
@@ -62,10 +52,8 @@ def accumulate(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLa
 
 
 def shard_views(output: ms.Tensor, layout: ReduceScatterLayout) -> list[ms.Tensor]:
-    """Each gradient's shard as a view of ``output`` (one rank's row, ``row_numel`` elements).
-
-    A shard has the gradient's ``chunk_shape``; for an uneven shard dim its trailing entries
-    (``slot.valid_length(rank)`` onwards) are padding."""
+    """Each gradient's shard (of its ``chunk_shape``) as a view of ``output``, one rank's row;
+    for an uneven shard dim the entries from ``slot.valid_length(rank)`` on are padding."""
     if output.shape != (layout.row_numel,):
         raise LayoutMismatchError(
             f"output has shape {output.shape}; the layout's row needs ({layout.row_numel},)")
@@ -77,14 +65,10 @@ def shard_views(output: ms.Tensor, layout: ReduceScatterLayout) -> list[ms.Tenso
 
 
 def flat_view(tensor: ms.Tensor) -> ms.Tensor:
-    """``tensor`` as 1-D over the same memory (itself when already 1-D; a contiguous copy first
-    when it is not contiguous).
-
-    A CPU tensor that spans its storage is aliased through its host memory (``from_numpy`` of
-    its ``asnumpy()``), not with a view op: PyNative queues a view op on its launch thread, and
-    whatever then reads the view (a collective checking its shape) waits for that thread, which
-    was all of a zero-copy borrow's cost (issue 12; docs/benchmarks/host-path.md#flat-views-on-cpu).
-    Elsewhere (Ascend) it is a view op."""
+    """``tensor`` as 1-D over the same memory (itself when 1-D; made contiguous first). A CPU
+    tensor spanning its storage is aliased through its host memory, not a view op: PyNative queues
+    a view op on its launch thread and whatever reads the view waits for that thread, all of a
+    zero-copy borrow's cost (issue 12; docs/benchmarks/host-path.md#flat-views-on-cpu)."""
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
     if tensor.ndim == 1:
@@ -144,12 +128,9 @@ def unshard(gathered: ms.Tensor, slot: GradSlot) -> ms.Tensor:
 
 
 def unpack_gathered(lease: Lease, layout: ReduceScatterLayout) -> list[ms.Tensor]:
-    """The full tensors of an all-gather bucket laid out as ``layout`` (row ``r`` is rank ``r``'s
-    row of chunks: what every rank sent is its row of the same layout, packed with :func:`pack`
-    at world size 1), one per slot, of ``slot.shape``, through :func:`unshard`.
-
-    Every tensor returned owns new memory, never a view of the bucket: the caller may recycle the
-    bucket once the queued copies ran, while autograd still holds the tensors."""
+    """The full tensor of each slot of an all-gather bucket laid out as ``layout`` (row ``r``:
+    rank ``r``'s row, packed with :func:`pack` at world size 1), in new memory: the bucket may be
+    recycled once the queued copies ran, while autograd still holds the tensors."""
     check_gathered(lease, layout)
     grid = lease.tensor.view(layout.world_size, layout.row_numel)
     flats = []
@@ -165,8 +146,7 @@ def unpack_gathered(lease: Lease, layout: ReduceScatterLayout) -> list[ms.Tensor
 
 
 class _DeviceWriter:
-    """This module's writes as a :class:`gradpool.writers.BucketWriter`: queued MindSpore ops,
-    the path Ascend runs (``Written.on_host`` False)."""
+    """This module's writes as a :class:`gradpool.writers.BucketWriter` (queued MindSpore ops)."""
 
     pack = staticmethod(pack)
     accumulate = staticmethod(accumulate)
@@ -216,8 +196,7 @@ def check_write(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterL
 
 
 def check_gathered(lease: Lease, layout: ReduceScatterLayout) -> None:
-    """What every writer checks before reading an all-gather bucket: a live lease of the
-    layout's size."""
+    """What every writer checks before reading an all-gather bucket: a live lease of its size."""
     lease.tensor  # noqa: B018 - raises LeaseStateError on a released lease
     if lease.numel != layout.total_numel:
         raise LayoutMismatchError(
@@ -259,11 +238,9 @@ def _assemble(grads: Sequence[ms.Tensor], layout: ReduceScatterLayout) -> ms.Ten
 
 
 def _write_in_place(lease: Lease, grads, layout: ReduceScatterLayout) -> None:
-    """The device pack in one pass: every gradient's chunks go straight into their columns of
-    the bucket's ``[W, row]`` grid by slice-assignment (what lands in a view on CPU and Ascend
-    alike), padding and gaps are zero-filled where they lie, and no tensor of the bucket's size
-    is made. A gradient sharded on a dim other than 0 is padded and permuted into chunk order
-    first (tensors of its own padded size: the grid cannot take a permuted source in one write)."""
+    """The device pack in one pass, by slice-assignment (what lands in a view on CPU and Ascend
+    alike). A gradient sharded on a dim other than 0 is first padded and permuted into chunk
+    order (tensors of its padded size: the grid cannot take a permuted source in one write)."""
     grid = _Grid(lease, layout.world_size, layout.row_numel, by_rows=_writes_by_rows())
     start = 0
     for length, slot in layout.row_segments():
@@ -280,8 +257,7 @@ def _write_in_place(lease: Lease, grads, layout: ReduceScatterLayout) -> None:
 
 def _write_dim0(grid: "_Grid", columns: slice, grad: ms.Tensor, slot: GradSlot) -> None:
     """A dim-0 gradient's chunks are consecutive runs of its flat memory: row r takes
-    ``[r * chunk, (r + 1) * chunk)``, the last partial run and the rows past the gradient's end
-    are zero-filled where the gradient stops."""
+    ``[r * chunk, (r + 1) * chunk)``; whatever lies past the gradient's end is zero-filled."""
     flat, chunk = flat_view(grad), slot.chunk_numel
     full, rest = divmod(flat.numel(), chunk)
     if full:
@@ -300,10 +276,9 @@ def _writes_by_rows() -> bool:
 
 class _Grid:
     """A bucket seen as ``[W, row]``, written by slice-assignment: one strided write per block
-    into the lease's view (``by_rows=False``, the Ascend form), or one contiguous write per row
-    of the block straight into the pool's allocation (CPU: its strided copy kernel is far slower
-    than its contiguous one, and a slice-assignment into a view rewrites the whole view through
-    its base: docs/benchmarks/host-path.md#device-pack-writes)."""
+    into the lease's view (Ascend), or one contiguous write per row into the pool's allocation
+    (CPU: its strided copy kernel is far slower, and a slice-assignment into a view rewrites the
+    whole view through its base: docs/benchmarks/host-path.md#device-pack-writes)."""
 
     def __init__(self, lease: Lease, world: int, row: int, by_rows: bool):
         self.row, self.by_rows = row, by_rows

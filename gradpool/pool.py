@@ -1,32 +1,22 @@
 """BucketPool: pre-allocated flat buckets per (dtype, device), leased and recycled after a fence.
 
-Ownership rule (the reason this module exists): storage is only ever released by
-:func:`_release_storage`, which takes a ``_Bucket`` record. A ``_Bucket`` is created only by
-:meth:`BucketPool._allocate`, so the pool can never free a tensor it did not allocate, whatever a
-caller passes in. Recycling never frees anything. Storage is released by :meth:`BucketPool.trim`
-and, under a ``max_cached_bytes`` cap, by ``acquire`` evicting idle buckets to make room; both
-only touch idle buckets with no live lease and no pending fence.
+Ownership rule (the reason this module exists): storage is released only by
+:func:`_release_storage`, which takes a ``_Bucket`` record, and only :meth:`BucketPool._allocate`
+makes one, so the pool can never free a tensor it did not allocate. Recycling frees nothing;
+:meth:`BucketPool.trim`, and ``acquire`` evicting under ``max_cached_bytes``, release only idle
+buckets (no live lease, no pending fence).
 
-Lifetimes:
+Lifetime: ``acquire`` -> ``Lease`` -> ``lease.release(fence)`` -> *fenced* until the fence
+completes (:meth:`Lease.release`) -> poisoned with NaN if asked -> *free*. ``acquire`` reuses the
+free bucket :func:`gradpool.reuse.choose` picks; with none large enough it allocates, unless that
+would pass ``max_cached_bytes``: then it waits for a fenced bucket that fits, else evicts idle
+buckets, else raises :class:`PoolCapacityError` (leaving the pool as it was).
 
-* ``acquire`` -> ``Lease`` (live) -> ``lease.release(fence)`` -> bucket *fenced* until the fence
-  completes -> (poisoned with NaN if asked) -> *free*, acquirable again.
-* ``max_buckets_in_flight`` bounds the buckets per dtype whose collective may still be running
-  (fenced): an ``acquire`` that finds that many waits for the oldest fence first (a stall).
-* ``acquire`` reuses the free bucket :func:`gradpool.reuse.choose` picks (the smallest that
-  holds the request, the first allocated of equals: the rule the memory plan replays). With no
-  free bucket large enough, it allocates, unless that would pass ``max_cached_bytes``: then it
-  waits for a fenced bucket that fits, else evicts idle buckets, else raises
-  :class:`PoolCapacityError` (leaving the pool as it was).
-* Fences: see :meth:`Lease.release`.
-
-Robustness: each bucket's state is one attribute (free, fenced or leased) and every statistic
-that counts buckets or bytes is derived from the bucket records, so the pool can never report
-bytes it does not hold. Every state change is a plain attribute store made after the last call
-that can raise (a ``KeyboardInterrupt`` included), or is rolled back. One re-entrant lock guards
-the pool's state, so one pool may be used from several threads; ``stats()`` is a consistent
-snapshot taken under it. The pool's own tensor writes (poison, freeing in ``trim``) run only on
-the thread that created it: MindSpore aborts when two threads launch ops at once.
+Robustness: a bucket's state is one attribute and every count is derived from the records, so
+the pool never reports bytes it does not hold; every state change is a plain store after the last
+call that can raise (``KeyboardInterrupt`` included), or is rolled back. A re-entrant lock lets
+threads share a pool, but its own tensor writes (poison, freeing) run only on the thread that
+created it: MindSpore aborts when two threads launch ops at once.
 """
 from __future__ import annotations
 
@@ -185,9 +175,8 @@ class Lease:
 
     @property
     def allocation(self) -> ms.Tensor:
-        """The whole flat allocation ``.tensor`` is the prefix of, for the bucket writers
-        (``gradpool.writers``: the CPU device path writes rows of it, the host writer keys its
-        view of the memory by it); only ``[0, numel)`` belongs to this lease."""
+        """The whole flat allocation ``.tensor`` is a prefix of, for the bucket writers
+        (:mod:`gradpool.writers`); only ``[0, numel)`` belongs to this lease."""
         if self._released:
             self.tensor  # noqa: B018 - raises LeaseStateError
         return self._bucket.tensor
@@ -202,18 +191,11 @@ class Lease:
         return self.numel * itemsize(self.dtype)
 
     def release(self, fence: Optional[Fence] = None) -> None:
-        """Give the bucket back; it is leased again only after ``fence`` has completed.
-
-        ``fence`` is the handle of the collective still reading (or writing) the bucket:
-
-        * None: nothing is in flight, the bucket is reusable at once;
-        * an object with ``is_completed()`` and ``wait()``: reusable once ``is_completed()`` is
-          true or the pool has waited on it (an ``is_completed()`` that raises counts as done);
-        * an object with ``wait()`` only (MindSpore 2.10's ``CommHandle``): in flight until
-          someone waits on it through the pool (``acquire`` at the in-flight bound,
-          ``wait_all()``) or through the reducer's result; never guessed done;
-        * anything else: :class:`InvalidFenceError`, and the lease stays live.
-        """
+        """Give the bucket back, leased again only once ``fence`` (the collective's handle, or
+        None: at once) has completed: ``is_completed()`` true or raising, or waited on by the pool.
+        With ``wait()`` only (MindSpore 2.10's ``CommHandle``) it is in flight until waited on
+        through the pool (``acquire`` at the in-flight bound, ``wait_all()``) or the reducer's
+        result. Anything else: :class:`InvalidFenceError`, and the lease stays live."""
         self._pool.release(self, fence)
 
     def __repr__(self) -> str:
@@ -222,16 +204,13 @@ class Lease:
 
 
 class BucketPool:
-    """A pool of flat communication buckets owned by gradpool.
-
-    ``alignment_bytes``: bucket sizes are rounded up to this many bytes (512 is Ascend's rule).
-    ``max_cached_bytes``: cap on bytes the pool holds at once (None: no cap).
-    ``max_buckets_in_flight``: cap on buckets per dtype whose collective may still be running;
-    at the cap ``acquire`` first waits for the oldest fence.
+    """A pool of flat communication buckets owned by gradpool. ``alignment_bytes``: bucket sizes
+    are rounded up to this many bytes (512 is Ascend's rule). ``max_cached_bytes``: cap on bytes
+    held at once (None: no cap). ``max_buckets_in_flight``: cap on buckets per dtype whose
+    collective may still run; at the cap ``acquire`` first waits for the oldest fence.
     ``poison_on_release``: fill a bucket with NaN when its fence completes, before any reuse.
-    ``timed_copies``: synchronize the device after each pack so ``copy_seconds`` is the real
-    copy time (turn off on Ascend to keep packing and communication overlapped).
-    """
+    ``timed_copies``: synchronize after each pack so ``copy_seconds`` is the real copy time (off
+    on Ascend, to keep packing and communication overlapped)."""
 
     def __init__(self, device: Optional[str] = None, alignment_bytes: int = 512,
                  max_cached_bytes: Optional[int] = None, poison_on_release: bool = False,
@@ -244,8 +223,6 @@ class BucketPool:
         check_int("max_buckets_in_flight", max_buckets_in_flight, 1, nullable=True)
         check_bool("poison_on_release", poison_on_release)
         check_bool("timed_copies", timed_copies)
-        # None: the process's device target. A reducer on a "CPU" pool writes its buckets
-        # through their host memory (gradpool.writers.writer_for).
         self.device = device if device is not None else device_target()
         if self.device not in SUPPORTED_DEVICES:
             raise InvalidArgumentError(
@@ -263,9 +240,7 @@ class BucketPool:
         self._stats = PoolStats()       # counters only; sizes are derived from _buckets
         self._checked: dict = {}        # (numel, id(dtype), cap) -> capacity, see _checked_capacity
         self._lock = threading.RLock()
-        # MindSpore's PyNative dispatch is not thread-safe (two threads launching ops at once can
-        # abort the process), so the pool's own tensor writes (poisoning, freeing) stay on the
-        # thread that made the pool; another thread's stats() or trim() only reads and counts.
+        # tensor writes stay on this thread (module docstring); others' stats() or trim() only count
         self._owner = threading.get_ident()
 
     # -- public API -------------------------------------------------------------------------
@@ -284,11 +259,9 @@ class BucketPool:
             self._adopt(made)
 
     def acquire(self, numel: int, dtype, *, holder: Optional[list] = None) -> Lease:
-        """Lease a bucket of at least ``numel`` elements of ``dtype``; ``.tensor`` has exactly numel.
-
-        ``holder``: a list the lease is appended to as part of the acquire itself, so that a
-        ``KeyboardInterrupt`` arriving as ``acquire`` returns cannot lose a live lease (what the
-        reducer does; a plain ``lease = acquire(...)`` has that one-instruction window)."""
+        """Lease a bucket of at least ``numel`` elements of ``dtype`` (``.tensor`` has numel).
+        ``holder``: a list the acquire itself appends the lease to, so a ``KeyboardInterrupt`` as
+        it returns cannot lose a live lease (``lease = acquire(...)`` has that window)."""
         # A remembered request costs one lookup (see _checked_capacity); True hashes as 1.
         capacity = self._checked.get((numel, id(dtype), self.max_cached_bytes)) \
             if type(numel) is int else None
@@ -349,8 +322,7 @@ class BucketPool:
             bucket.state = _FREE if done else _FENCED
 
     def trim(self) -> int:
-        """Release the storage of idle buckets (no lease, fence completed). Returns bytes freed
-        (0 when called from a thread other than the pool's: it frees nothing there)."""
+        """Release the storage of idle buckets; the bytes freed (0 off the pool's thread)."""
         if threading.get_ident() != self._owner:
             return 0
         with self._lock:
@@ -361,8 +333,7 @@ class BucketPool:
         return freed
 
     def wait_all(self) -> None:
-        """Wait for every pending fence, then recycle those buckets (a fence that completed
-        already is recycled without a wait: only real waits count as stalls)."""
+        """Wait for every pending fence and recycle its bucket (only real waits count as stalls)."""
         with self._lock:
             self._reap()
             for bucket in sorted(self._in(_FENCED), key=lambda b: b.fenced_order):
@@ -402,12 +373,9 @@ class BucketPool:
                 f"max_cached_bytes={self.max_cached_bytes}; raise the cap or use smaller buckets")
 
     def _checked_capacity(self, numel, dtype) -> int:
-        """The capacity of a bucket for ``numel`` x ``dtype`` after :meth:`_check_request`, for a
-        request ``acquire`` has not remembered; remembered for an int ``numel`` of a supported
-        dtype singleton (the reducer makes the same few requests every step, and the checks are
-        a sizeable part of an acquire's cost: docs/benchmarks/host-path.md#remembered-requests).
-        Only singletons, which live as long as the process, are remembered, so a later request
-        whose dtype has the same id() is that dtype."""
+        """The capacity for ``numel`` x ``dtype`` after :meth:`_check_request`, remembered for an
+        int ``numel`` of a supported dtype singleton (immortal, so its id() is never reused): the
+        reducer repeats requests every step (docs/benchmarks/host-path.md#remembered-requests)."""
         self._check_request(numel, dtype)
         capacity = self._capacity_for(numel, dtype)
         if type(numel) is int and is_supported_singleton(dtype):
@@ -436,8 +404,7 @@ class BucketPool:
         return min(self._in(_FENCED, dtype), key=lambda b: b.fenced_order)
 
     def _allocate(self, capacity: int, dtype) -> _Bucket:
-        """A new bucket record (not yet tracked); the allocation is made real here, so a failure
-        shows now and not at first touch."""
+        """A new, untracked bucket record, its allocation forced now (a failure shows here)."""
         tensor = mint.empty(capacity, dtype=dtype)
         try:
             tensor.untyped_storage().data_ptr()      # MindSpore allocates lazily: force it
@@ -468,7 +435,6 @@ class BucketPool:
         if cap is not None and sum(b.nbytes for b in self._buckets) + nbytes > cap:
             fits = [b for b in self._in(_FENCED, dtype) if b.capacity >= numel]
             if fits:
-                # Growing would pass the cap: wait for the smallest in-flight bucket that fits.
                 bucket = min(fits, key=lambda b: b.capacity)
                 self._wait_for(bucket)
                 return bucket

@@ -5,19 +5,15 @@ Usage::
     reducer = GradReducer(pool, communicator, ReducerConfig(reduce_dtype=ms.float32))
     result = reducer.reduce_scatter(grads)          # packs into pool buckets, launches
     shards = result.wait()                          # one shard view per gradient, in order
-    ...use shards (cast into main_grad, optimizer step)...
-    result.release()                                # output buckets go back to the pool
+    result.release()                                # once shards are used: buckets back to pool
 
-Lifetimes:
-
-* The **input** bucket is released right after launch, fenced on the collective's handle: the
-  pool will not lease it again until the collective has completed, and nobody frees it.
-* With ``zero_copy`` the collective reads the caller's gradient in place; the result keeps a
-  reference to it (a *borrow*) until ``wait()`` returns, then drops it (released before that,
-  the pool holds it with the fence until the collective completes). It is never freed.
-* The **output** bucket stays leased until ``result.release()``: the shard views returned by
-  ``wait()`` are views of it and are valid until then. Releasing is the caller's job (hyper_parallel
-  does it when the shard gradient has been consumed, see its param module).
+Lifetimes: the **input** bucket is released right after launch, fenced on the collective's
+handle, so the pool leases it again only once the collective has completed. With ``zero_copy``
+the collective reads the caller's gradient in place, a *borrow* the result holds until ``wait()``
+returns (released earlier, the pool holds it with the fence); it is never freed. The **output**
+bucket, which the shard views from ``wait()`` are views of, stays leased until
+``result.release()``, the caller's job (hyper_parallel's param module, once the shard gradient
+is consumed).
 """
 from __future__ import annotations
 
@@ -123,9 +119,8 @@ class ReduceResult:
 
     def release(self) -> None:
         """Return the output buckets to the pool; shard views from ``wait()`` become invalid.
-
-        Interrupted part-way, it still gives back every bucket before the interrupt goes on; a
-        result whose buckets are not all back stays unreleased, so calling it again finishes."""
+        Interrupted part-way, it still gives back every bucket; if some are not back, the result
+        stays unreleased and calling it again finishes."""
         if self._released:
             return
         try:
@@ -147,17 +142,15 @@ def _release_output(item: _Launched) -> None:
         return
     fence = None if fence_done(item.handle) else item.handle
     if fence is not None and item.bucket.borrowed is not None:
-        # Released before its collective completed (no wait(), or another bucket's wait()
-        # failed): the borrow must outlive the collective still reading the caller's gradient,
-        # so the pool holds it with the fence and drops it on recycle.
+        # Released before its collective completed: the borrow must outlive the collective
+        # still reading the caller's gradient, so the pool holds it with the fence.
         fence = _BorrowFence(fence, item.bucket.borrowed)
     item.output.release(fence)
     item.bucket.borrowed = None
 
 
 class _Chain:
-    """Two collectives one after the other: waited in order, done when the second is; the first
-    failure is what every wait raises."""
+    """Two collectives in sequence: waited in order, done when both are; first failure raises."""
 
     def __init__(self, first, second):
         self._first, self._second = first, second
@@ -188,8 +181,7 @@ class _AllOf:
 
 
 class _BorrowFence:
-    """A collective's handle plus the borrowed gradient it reads; the pool keeps this fence (and so
-    the borrow) until the handle completes."""
+    """A handle plus the borrowed gradient it reads, alive while the pool keeps this fence."""
 
     def __init__(self, handle: CommHandle, borrowed: ms.Tensor):
         self._handle = handle
@@ -265,10 +257,8 @@ class GradReducer:
         return buckets
 
     def accumulate(self, buckets: list[PackedBucket], grads: Sequence[ms.Tensor]) -> None:
-        """Add a micro-step's ``grads`` into already packed buckets (no new lease, no copy out).
-
-        ``grads`` are the same gradients, in the same order, as those packed; everything is
-        checked before the first bucket changes."""
+        """Add a micro-step's ``grads`` (the packed gradients, in order) into already packed
+        buckets, no new lease; everything is checked before the first bucket changes."""
         expected = sum(len(bucket.indices) for bucket in buckets)
         if len(grads) != expected:
             raise InvalidArgumentError(
@@ -398,9 +388,8 @@ class GradReducer:
     def _launch_one(self, result: ReduceResult, bucket: PackedBucket, op: str,
                     all_reduce: bool, across_replicas: bool, taken: list[Lease],
                     comm: Optional[Communicator] = None) -> None:
-        """Start ``bucket``'s collective (over ``comm``, default the shard group) into
-        ``result``, recorded there before anything else happens, so that whatever stops the
-        caller knows it is in flight."""
+        """Start ``bucket``'s collective (over ``comm``, default the shard group), recorded in
+        ``result`` at once so that whatever stops the caller knows it is in flight."""
         comm = comm if comm is not None else self.comm
         if all_reduce:
             handle = as_fence(comm.all_reduce(bucket.lease.tensor, op=op, async_op=True))

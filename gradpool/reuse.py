@@ -1,17 +1,13 @@
 """Which free bucket a request reuses: the one rule the pool follows and the memory plan replays.
 
-Pure Python (no MindSpore). The rule: of the free buckets of the request's dtype that hold its
-elements, the smallest (large buckets stay for large gradients); of equal capacity, the first
-allocated (so the choice depends on the pool's history alone, and the plan's replay of that
-history picks the very bucket the pool does).
-
-Two forms of the one rule, for two sizes of problem: :func:`choose` scans a pool's records, which
-is all ``BucketPool.acquire`` does (the pool keeps no index beside its records: each bucket's
-state is one attribute, changed by plain stores an interrupt cannot split); :class:`FreeIndex`
-keeps the free buckets sorted in the rule's order, for the memory plan's replay of a 671B model
-(tens of thousands of free buckets, hundreds of thousands of requests: a scan each would not
-finish; docs/benchmarks/host-path.md#bucket-reuse). ``tests/test_reuse.py`` checks both against a
-brute-force reference.
+Pure Python. The rule: of the free buckets of the request's dtype that hold its elements, the
+smallest (large buckets stay for large gradients); of equal capacity, the first allocated (so the
+choice depends on the pool's history alone, and the plan's replay picks the very bucket).
+:func:`choose` scans a pool's records (the pool keeps no index beside them: a bucket's state is
+one attribute, changed by stores an interrupt cannot split); :class:`FreeIndex` keeps the free
+buckets sorted for the memory plan's replay of a 671B model (tens of thousands of free buckets,
+hundreds of thousands of requests: docs/benchmarks/host-path.md#bucket-reuse).
+``tests/test_reuse.py`` checks both against a brute-force reference.
 """
 from __future__ import annotations
 
@@ -22,12 +18,10 @@ FREE = "free"    # the state of a record a request may reuse
 
 
 def choose(buckets: Iterable[Any], numel: int, dtype) -> Optional[Any]:
-    """The record of ``buckets`` a request for ``numel`` elements of ``dtype`` reuses, or None.
-
-    ``buckets``: records with ``state``, ``capacity`` (elements) and ``dtype``, in allocation
-    order; only those whose state is :data:`FREE` are candidates (the pool passes all its
-    records: building a list of the free ones on every acquire would cost more than the scan,
-    docs/benchmarks/host-path.md#bucket-reuse)."""
+    """The record of ``buckets`` (with ``state``, ``capacity`` in elements and ``dtype``, in
+    allocation order) a request for ``numel`` x ``dtype`` reuses, or None. Only :data:`FREE`
+    records are candidates: the pool passes all, since listing the free ones on every acquire
+    would cost more than the scan (docs/benchmarks/host-path.md#bucket-reuse)."""
     best = None
     for b in buckets:
         # identity first: a MindSpore dtype's == is a pybind call, and this runs per bucket

@@ -1,13 +1,9 @@
 """What a reduce path needs, built from one :class:`GradPoolConfig`: a pool, a communicator and
-reducers on them.
+reducers on them. Units built with equal configs share one runtime (:func:`runtime_for`), so nested
+``fully_shard`` units reuse each other's buckets::
 
-Usage::
-
-    runtime = runtime_for(GradPoolConfig(poison_on_release=True))   # shared per config
+    runtime = runtime_for(GradPoolConfig(poison_on_release=True))
     reducer = runtime.reducer(reduce_dtype=ms.float32, comm_fusion=True)
-
-Units built with equal configs share one runtime, so nested ``fully_shard`` units reuse each
-other's buckets.
 """
 from __future__ import annotations
 
@@ -29,16 +25,15 @@ MIB = 1024 * 1024
 @dataclass(frozen=True)
 class GradPoolConfig:
     """Pool options of a reduce path (what ``fully_shard(pool_config=...)`` takes).
-
     ``bucket_cap_mib``: largest fused bucket. ``max_buckets_in_flight``: buckets per dtype whose
     collective may still run before ``acquire`` waits for the oldest (None: no bound).
     ``alignment_bytes``: chunk alignment and bucket size granularity. ``zero_copy``: let the
     collective read a gradient in place when the layout allows. ``poison_on_release``: fill
-    recycled buckets with NaN (debug). ``max_cached_mib``: cap on memory the pool holds (None: no
-    cap). ``verify_gradients``: checksum each gradient on arrival and after its reduce (debug).
-    ``async_reduce``: in ``main_grad`` mode (``apply_grad_on_fp32_main_grad``), a unit's backward
-    launches its reduce and returns without waiting; the results reach ``main_grad`` at the end of
-    backward (False: each reduce completes inside its unit's backward, as without main_grad)."""
+    recycled buckets with NaN (debug). ``max_cached_mib``: cap on the pool's memory (None: none).
+    ``verify_gradients``: checksum each gradient on arrival and after its reduce (debug).
+    ``async_reduce``: in ``main_grad`` mode (``apply_grad_on_fp32_main_grad``) a unit's backward
+    launches its reduce without waiting (False: it waits), results reaching ``main_grad`` at the
+    end of backward."""
 
     bucket_cap_mib: float = 25.0
     max_buckets_in_flight: Optional[int] = 2
@@ -142,9 +137,8 @@ def runtime_for(config: GradPoolConfig) -> Runtime:
 
 
 def install_runtime(config: GradPoolConfig, comm: Communicator) -> Runtime:
-    """Build the process-wide runtime of ``config`` on ``comm`` (a wrapped communicator: a test
-    or benchmark network); every ``fully_shard`` call with an equal config uses it from now on.
-    Refused when that runtime exists already (its units would keep the old one)."""
+    """Build the process-wide runtime of ``config`` on ``comm`` (a test or benchmark network);
+    refused when it exists already (its units would keep the old one)."""
     if config in _RUNTIMES:
         raise InvalidArgumentError(
             f"a runtime for {config!r} exists already; call reset_runtimes() first")

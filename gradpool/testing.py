@@ -1,27 +1,20 @@
-"""Test aids for code built on gradpool: communicators that delay or fail their collectives.
-
-Importable by users writing their own tests (and by the overlap benchmark, which models a network
-with :class:`LatencyCommunicator`)::
+"""Test aids for code built on gradpool (users' tests, and the overlap benchmark, which models a
+network with :class:`LatencyCommunicator`): communicators that delay or fail their collectives::
 
     from gradpool.testing import FaultInjectingCommunicator
-    comm = FaultInjectingCommunicator(SingleProcessCommunicator(), delay_seconds=0.05)
-    late = FaultInjectingCommunicator(SingleProcessCommunicator(), delay_seconds=0.05,
+    comm = FaultInjectingCommunicator(SingleProcessCommunicator(), delay_seconds=0.05,
                                       read_input_at="wait")
 
-Two timings of an asynchronous collective (``async_op=True``), chosen with ``read_input_at``:
-
-* ``"launch"`` (the default): the wrapped collective runs when it is launched, so its result is
-  written at once; only its handle's completion is delayed. Code that reads the output too early
-  or reuses the input too early cannot change a value in this mode, only counters show it.
-* ``"wait"``: like a real asynchronous collective whose kernel runs later, the wrapped collective
-  runs when the handle is waited on: it reads its **input** then (so a bucket released without
-  its fence and re-packed before ``wait()`` is reduced with the wrong data, or with the pool's NaN
-  poison) and writes its **output** then (a reader of the output before ``wait()`` sees stale
-  memory). ``is_completed()`` stays False until ``wait()`` has run, like MindSpore 2.10's
-  ``CommHandle`` (``wait()`` only), so completion order, and with it the order in which the ranks
-  enter the wrapped collectives, is the program's order of waits, the same on every rank. A
-  handle nobody waits on never runs: a pool waits on it at its in-flight bound or in
-  ``wait_all()``. Synchronous calls (``async_op=False``) run at once in both modes.
+``read_input_at`` is when an asynchronous collective (``async_op=True``) runs; synchronous calls
+run at once. ``"launch"`` (the default): at launch, its result written at once and only its
+handle's completion delayed; output read or input reused too early changes no value here, only
+counters show it. ``"wait"``: when the handle is waited on, like a real collective whose kernel
+runs later. It reads its **input** then (a bucket released without its fence and re-packed
+before ``wait()`` is reduced with the wrong data, or the pool's NaN poison) and writes its
+**output** then (an earlier reader sees stale memory). ``is_completed()`` stays False until
+``wait()``, like MindSpore 2.10's ``CommHandle``, so the ranks enter the wrapped collectives in
+the program's order of waits, the same on every rank. A handle nobody waits on never runs (a
+pool waits on it at its in-flight bound or in ``wait_all()``).
 """
 from __future__ import annotations
 
@@ -112,13 +105,10 @@ class _Wrapper(Communicator):
 
 
 class FaultInjectingCommunicator(_Wrapper):
-    """Wraps a communicator for tests: a collective's handle reports not-completed until
-    ``delay_seconds`` after launch (``wait()`` blocks until then), and with ``fail_wait`` (an
-    exception instance, or True for a :class:`CommError`) ``wait()`` raises it, after which the
-    handle counts as completed. ``read_input_at`` is when an asynchronous collective reads its
-    input and writes its output: at ``"launch"`` (default) or at ``"wait"`` (see the module
-    docstring). ``launches`` counts every collective launched, ``launch_counts`` per name,
-    ``launch_log`` lists their names in launch order."""
+    """A handle completes ``delay_seconds`` after launch (``wait()`` blocks until then); with
+    ``fail_wait`` (an exception, or True: a :class:`CommError`) ``wait()`` raises it, the handle
+    completed all the same. ``read_input_at``: see the module docstring. ``launches`` counts the
+    collectives launched, ``launch_counts`` per name."""
 
     def __init__(self, inner: Communicator, delay_seconds: float = 0.0,
                  fail_wait: Union[BaseException, bool, None] = None,
@@ -171,12 +161,10 @@ class FaultInjectingCommunicator(_Wrapper):
 
 
 class LatencyCommunicator(_Wrapper):
-    """A network in front of a communicator: every asynchronous collective completes
-    ``latency_seconds`` after it starts, and it starts when launched or when the previous one
-    completed, whichever is later (one link, one collective at a time, like the collectives of a
-    communication stream). Waiting costs no CPU (a sleep), so compute overlaps it as it would a
-    real network. The wrapped collective runs at launch (its result is written then);
-    synchronous calls (``async_op=False``) also pay the latency, before they return."""
+    """A network in front of a communicator: a collective completes ``latency_seconds`` after it
+    starts, at launch or when the previous one completed, whichever is later (one link, like a
+    communication stream). Waiting is a sleep, so compute overlaps it. The wrapped collective
+    runs at launch; synchronous calls pay the latency before they return."""
 
     def __init__(self, inner: Communicator, latency_seconds: float):
         _check_seconds("latency_seconds", latency_seconds)

@@ -1,12 +1,11 @@
 """Where a bucket is written: one interface (:class:`BucketWriter`), a writer per pool device.
 
 The device writer (:data:`gradpool.pack.DEVICE`) writes with MindSpore ops, the path Ascend runs;
-the host writer (:class:`gradpool.host.writer.HostWriter`) writes a CPU pool's buckets in place
-through their host memory with NumPy and compiled loops. :func:`writer_for` chooses; a reducer
-asks once, when it is made (which also makes the host writer compile its loops, outside any
-training step). The functions below are the façade's ``pack_bucket``, ``accumulate_bucket`` and
-``unpack_gathered``, which choose per call (``hyper_parallel``'s all-gather holds a lease and its
-reducer's ``host_copies``, not a writer).
+the host writer (:class:`gradpool.host.writer.HostWriter`) writes a CPU pool's buckets through
+their host memory. A reducer asks :func:`writer_for` once, when made (so the host writer compiles
+its loops outside any training step). The functions below, the façade's ``pack_bucket``,
+``accumulate_bucket`` and ``unpack_gathered``, choose per call (``hyper_parallel``'s all-gather
+holds a lease and ``host_copies``, not a writer).
 """
 from __future__ import annotations
 
@@ -41,20 +40,17 @@ def writer_for(device: str, host: bool = True) -> BucketWriter:
 
 def pack(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout, *,
          host: bool) -> Written:
-    """Write ``grads`` into ``lease`` per ``layout``: cast to the lease dtype, pad with zeros.
-
-    ``host``: through host memory where the pool is on the CPU (see :func:`writer_for`)."""
+    """Write ``grads`` into ``lease`` per ``layout``: cast to the lease dtype, pad with zeros;
+    ``host``: through host memory where the pool is on the CPU (:func:`writer_for`)."""
     return writer_for(lease.pool.device, host).pack(lease, grads, layout)
 
 
 def accumulate(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLayout, *,
                host: bool) -> Written:
-    """Add ``grads`` (packed per ``layout``) to what ``lease`` holds (a micro-step); the sum is
-    computed in the wider dtype and rounded once into the bucket."""
+    """:func:`gradpool.pack.accumulate` by the pool's writer (``host`` as in :func:`pack`)."""
     return writer_for(lease.pool.device, host).accumulate(lease, grads, layout)
 
 
 def unpack_gathered(lease: Lease, layout: ReduceScatterLayout, *, host: bool) -> list[ms.Tensor]:
-    """The full tensors of an all-gather bucket laid out as ``layout``, one per slot, each in new
-    memory (:func:`gradpool.pack.unpack_gathered`)."""
+    """:func:`gradpool.pack.unpack_gathered` by the pool's writer (``host`` as in :func:`pack`)."""
     return writer_for(lease.pool.device, host).unpack_gathered(lease, layout)

@@ -1,10 +1,7 @@
 """The compiled host loops of the CPU pack path (numba): the float32 -> bfloat16 cast, and the
-single-gradient writes between two host addresses.
-
-Kept apart from :mod:`gradpool.host.views` because they are code generation (LLVM IR, numba
-intrinsics), compiled once per process (:func:`compile_host_loops`); every function here returns
-None where numba cannot be imported, and the callers then take their NumPy / ml-dtypes path (same
-bits).
+single-gradient writes between two host addresses. Code generation (LLVM IR, numba intrinsics),
+compiled once per process (:func:`compile_host_loops`); without numba every function here returns
+None and the callers take their NumPy / ml-dtypes path (same bits).
 """
 from __future__ import annotations
 
@@ -21,17 +18,13 @@ _NO_NUMBA = ("numba cannot be imported (%s): host casts fall back to NumPy and m
              "bits, several times slower; pip install 'numba>=0.60,<0.69'")
 
 
-# From this many bytes written on, the compiled float32 -> bfloat16 cast stores with non-temporal
-# (streaming) stores: a store that misses the cache otherwise reads its line first
-# (read-for-ownership), so an ordinary cast moves 4 + 2 + 2 bytes per element where a streaming
-# one moves 4 + 2. The cast is bound by memory traffic, and streaming won at every size measured
-# (docs/benchmarks/host-path.md#cast-streaming-threshold).
+# From this many bytes written, the compiled float32 -> bfloat16 cast uses non-temporal stores: a
+# store missing the cache otherwise reads its line first, so the memory-bound cast moves 4 + 2 + 2
+# bytes per element, not 4 + 2 (docs/benchmarks/host-path.md#cast-streaming-threshold).
 STREAM_FROM_BYTES = 8 << 20
-# From this many bytes on, the compiled same-dtype copy streams its stores. Below it the copy is
-# glibc's memmove, whose `rep movsb` keeps the bucket in the caches the collective reads it from
-# next, and is as fast as streaming while source and bucket fit the last-level cache; glibc
-# streams only from a much larger threshold of its own, too late for buckets that leave the cache
-# (docs/benchmarks/host-path.md#copy-streaming-threshold).
+# From this many bytes the compiled same-dtype copy streams its stores. Below, glibc's memmove
+# keeps the bucket in the caches the collective reads it from next; glibc's own streaming starts
+# too late for buckets that leave the cache (docs/benchmarks/host-path.md#copy-streaming-threshold).
 COPY_STREAM_FROM_BYTES = 24 << 20
 _STREAM_LANES = 16          # elements per vector store: 32 bytes, one AVX2 register
 _PAGE_BYTES = 4096
@@ -43,12 +36,9 @@ _STREAM_BLOCK = _STREAM_PAGES * _PAGE_BYTES
 
 @functools.lru_cache(maxsize=1)
 def compile_host_loops() -> bool:
-    """Import numba and compile every loop here now (once per process: numba's import and the
-    compiles, docs/benchmarks/host-path.md#compile-time); False without numba. The host writer
-    calls it when it is made (a reducer on a CPU pool makes it), so the first pack does not
-    compile inside a training step, where a Ctrl-C would land in numba's import or compiler and
-    leave a module half-imported for the rest of the process (a random-interrupt test hit
-    exactly that)."""
+    """Import numba and compile every loop here, once per process
+    (docs/benchmarks/host-path.md#compile-time); False without numba. Called when the host writer
+    is made, not in a training step, where a Ctrl-C once left numba half-imported for good."""
     writers = _address_writers()
     if writers is None:
         return False
@@ -63,9 +53,8 @@ def compile_host_loops() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _bfloat16_kernel():  # pragma: no mutate block
-    """The compiled float32-bits -> bfloat16-bits loop ``kernel(words, out, stream_from_bytes)``
-    (None if numba cannot be imported); compiled once per process on first use
-    (docs/benchmarks/host-path.md#compile-time)."""
+    """The compiled float32-bits -> bfloat16-bits loop ``kernel(words, out, stream_from_bytes)``,
+    None without numba; compiled on first use (docs/benchmarks/host-path.md#compile-time)."""
     try:
         import numba
         from llvmlite import ir
@@ -79,10 +68,9 @@ def _bfloat16_kernel():  # pragma: no mutate block
 
     @intrinsic
     def stream_rounded(typingctx, words, out, start):
-        """out[start:start + lanes] = the rounded words, as one vector non-temporal store
-        (out + start must be 32-byte aligned). The same integer rounding as round_one, written
-        as vector IR because numba has no non-temporal store and LLVM vectorizes no loop that
-        has one."""
+        """out[start:start + lanes] = the rounded words (round_one's rounding), as one vector
+        non-temporal store at a 32-byte aligned out + start: vector IR, since numba has no
+        non-temporal store and LLVM vectorizes no loop that has one."""
         def codegen(context, builder, signature, args):
             words_ty, out_ty, _ = signature.args
             src = context.make_array(words_ty)(context, builder, args[0]).data
@@ -145,15 +133,13 @@ def _bfloat16_kernel():  # pragma: no mutate block
     return round_to_bfloat16
 
 
-# The public name, which tests replace with a stand-in; the address writers and
-# compile_host_loops use the real kernel through _bfloat16_kernel whatever it is bound to.
+# The public name, which tests replace; address writers and compile_host_loops keep the real one.
 bfloat16_kernel = _bfloat16_kernel
 
 
 @functools.lru_cache(maxsize=1)
 def _store_fence():  # pragma: no mutate block
-    """The numba intrinsic ``store_fence()`` that ends a run of streaming stores (numba is
-    importable: called from the kernel builders only)."""
+    """The numba intrinsic ``store_fence()`` ending a run of streaming stores (needs numba)."""
     from llvmlite import ir
     from numba.core import types
     from numba.extending import intrinsic
@@ -183,22 +169,16 @@ _WIDTH = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 def address_writer(src_dtype: str, dst_dtype: str) -> Optional[Callable[[int, int, int], None]]:
     """The compiled ``write(dst_address, src_address, numel)`` of ``numel`` contiguous elements
-    of ``src_dtype`` at ``src_address`` into ``dst_dtype`` at ``dst_address``, for the pairs it
-    has: a same-dtype copy (the ranges may overlap), bfloat16 -> float32 (exact: the bits
-    shifted into the high half, NaN payloads kept, as MindSpore widens) and float32 ->
-    bfloat16 (:func:`bfloat16_kernel`; the two ranges must not overlap). None for any other
-    pair, or without numba. The copy stores with streaming stores from
-    :data:`COPY_STREAM_FROM_BYTES` written, the narrowing from :data:`STREAM_FROM_BYTES`, as read
-    when the writer is called.
+    from ``src_dtype`` into ``dst_dtype`` memory, for a same-dtype copy (ranges may overlap),
+    bfloat16 -> float32 (exact, NaN payloads kept, as MindSpore widens) and float32 -> bfloat16
+    (:func:`bfloat16_kernel`; no overlap); None for another pair or without numba. Stores stream
+    from :data:`COPY_STREAM_FROM_BYTES` (copy) or :data:`STREAM_FROM_BYTES` (cast), read per call.
 
-    Why addresses: a small single-gradient pack is mostly the Python around its copy, and
-    building the two NumPy arrays over the memory was the largest part of it; a compiled call
-    with integer arguments dispatches in a fraction of that
-    (docs/benchmarks/host-path.md#address-call-dispatch). Why a compiled copy and not memcpy:
-    glibc's memcpy streams its stores only from its own threshold, far above the cache sizes, so
-    up to there a copy larger than the cache reads each destination line before overwriting it,
-    and from there on it walks four pages at once as this copy does
-    (docs/benchmarks/host-path.md#compiled-copy-vs-memcpy)."""
+    Why addresses: a small pack is mostly the Python around its copy, and building two NumPy
+    arrays over the memory was the largest part of it
+    (docs/benchmarks/host-path.md#address-call-dispatch). Why not memcpy: up to glibc's streaming
+    threshold, far above the cache sizes, a copy larger than the cache reads each destination
+    line before overwriting it (docs/benchmarks/host-path.md#compiled-copy-vs-memcpy)."""
     writers = _address_writers()
     return None if writers is None else writers.get((src_dtype, dst_dtype))
 
@@ -233,8 +213,7 @@ def _address_writers():  # pragma: no mutate block
 
     @intrinsic
     def stream_line(typingctx, dst, src):
-        """32 bytes from ``src`` (any alignment) to ``dst`` (32-byte aligned) as one vector
-        non-temporal store."""
+        """32 bytes from ``src`` to 32-byte aligned ``dst`` as one vector non-temporal store."""
         def codegen(context, builder, signature, args):
             line = ir.VectorType(ir.IntType(8), 32)
             value = builder.load(builder.inttoptr(args[1], line.as_pointer()), align=1)
@@ -252,17 +231,14 @@ def _address_writers():  # pragma: no mutate block
         if nbytes < stream_from_bytes or (src < dst + nbytes and dst < src + nbytes):
             move_bytes(dst, src, nbytes)
             return
-        # The head, copied plainly, brings the source to a page boundary and then the bucket to
-        # a cache line. Lines: the blocks below fill whole lines one at a time, and a line they
-        # filled in two halves far apart in time would be flushed half-written. Pages: each read
-        # stream then keeps to one page but for its last line, where the hardware prefetcher
-        # follows it (docs/benchmarks/host-path.md#copy-head-alignment).
+        # The plain head brings the source to a page boundary, then the bucket to a cache line,
+        # so the blocks fill whole lines and each read stream keeps to one page
+        # (docs/benchmarks/host-path.md#copy-head-alignment).
         head = (_PAGE_BYTES - (src & (_PAGE_BYTES - 1))) & (_PAGE_BYTES - 1)
         head = min(nbytes, head + ((64 - ((dst + head) & 63)) & 63))
         move_bytes(dst, src, head)
-        # Blocks of _STREAM_PAGES pages, one 64-byte line of each page in turn: that many read
-        # and write streams in flight, each within one page, as glibc's own large copy walks
-        # them; one stream alone is slower (docs/benchmarks/host-path.md#streams-per-copy).
+        # Blocks of _STREAM_PAGES pages, one 64-byte line of each in turn: that many streams in
+        # flight, each within a page (docs/benchmarks/host-path.md#streams-per-copy).
         at = head
         while at + _STREAM_BLOCK <= nbytes:
             for line in range(at, at + _PAGE_BYTES, 64):
