@@ -55,33 +55,35 @@ def test_every_core_module_has_a_layer():
     assert {p.stem for p in host_files()} == set(HOST_LAYER)
 
 
+def gradpool_imports(path: pathlib.Path, where: str):
+    """``(module, parts after "gradpool")`` of every gradpool module ``path`` imports; none may
+    be above the core."""
+    for module in imported_modules(path):
+        assert not module.startswith(ABOVE_CORE), f"{where} imports {module}"
+        parts = module.split(".")
+        if parts[0] == "gradpool" and len(parts) > 1:
+            yield module, parts[1:]
+
+
 @pytest.mark.parametrize("path", core_files(), ids=lambda p: p.stem)
 def test_core_imports_point_down(path):
     mine = LAYER[path.stem]
-    for module in imported_modules(path):
-        parts = module.split(".")
-        assert not module.startswith(ABOVE_CORE), f"{path.name} imports {module}"
-        if parts[0] != "gradpool" or len(parts) < 2 or parts[1] not in LAYER:
-            continue
-        assert LAYER[parts[1]] < mine, \
-            f"{path.name} (layer {mine}) imports {module} (layer {LAYER[parts[1]]})"
+    for module, (top, *_) in gradpool_imports(path, path.name):
+        if top in LAYER:
+            assert LAYER[top] < mine, \
+                f"{path.name} (layer {mine}) imports {module} (layer {LAYER[top]})"
 
 
 @pytest.mark.parametrize("path", host_files(), ids=lambda p: p.stem)
 def test_host_imports_point_down(path):
     """The host subpackage imports the core's lower layers, and its own lower modules."""
     mine = HOST_LAYER[path.stem]
-    for module in imported_modules(path):
-        parts = module.split(".")
-        assert not module.startswith(ABOVE_CORE), f"host/{path.name} imports {module}"
-        if parts[0] != "gradpool" or len(parts) < 2:
-            continue
-        if parts[1] == "host":
-            if len(parts) > 2 and parts[2] in HOST_LAYER:
-                assert HOST_LAYER[parts[2]] < mine, f"host/{path.name} imports {module}"
-            continue
-        assert parts[1] in LAYER and LAYER[parts[1]] < LAYER["host"], \
-            f"host/{path.name} imports {module} (layer {LAYER.get(parts[1])})"
+    for module, (top, *rest) in gradpool_imports(path, f"host/{path.name}"):
+        if top != "host":
+            assert top in LAYER and LAYER[top] < LAYER["host"], \
+                f"host/{path.name} imports {module} (layer {LAYER.get(top)})"
+        elif rest and rest[0] in HOST_LAYER:
+            assert HOST_LAYER[rest[0]] < mine, f"host/{path.name} imports {module}"
 
 
 def test_the_pool_knows_no_host_path():

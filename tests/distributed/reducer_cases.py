@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -204,6 +205,14 @@ def path_suffix(host) -> str:
     return "" if host is None else ("_host" if host else "_device")
 
 
+def release_checks(pool: BucketPool, result, grads, before) -> dict:
+    """The gradients are intact after ``result.wait()``, and after its release and a trim."""
+    checks = intact_checks(grads, before, "after_wait")
+    result.release()
+    checks.update(after_release_checks(pool, grads, before))
+    return checks
+
+
 def after_release_checks(pool: BucketPool, grads, before) -> dict:
     """Release leaves no lease; wait_all + trim (which frees pool storage) never touch a grad."""
     stats = pool.stats()
@@ -214,14 +223,20 @@ def after_release_checks(pool: BucketPool, grads, before) -> dict:
     return checks
 
 
+def _poisoned_reducer(ctx: Context, config: ReducerConfig, grad_dtypes, seed: int):
+    """A pool that poisons what it recycles, a reducer on it over the world, gradients of
+    ``SHAPES`` and their fingerprints."""
+    pool = BucketPool(poison_on_release=True)
+    grads = make_grads(ctx, SHAPES, grad_dtypes, seed=seed)
+    return pool, GradReducer(pool, ctx.comm, config), grads, [fingerprint(g) for g in grads]
+
+
 # -- reduce-scatter against NumPy: op x reduce dtype x grad dtype x bucketing -------------------------
 def _reduce_scatter(op: str, reduce_name: str, grad_name: str, mode: str, host=None):
     def case(ctx: Context) -> dict:
         reduce_dtype, grad_dtype = DTYPES[reduce_name], DTYPES[grad_name]
-        pool = BucketPool(poison_on_release=True)
-        reducer = GradReducer(pool, ctx.comm, config_for(mode, reduce_dtype, host=host))
-        grads = make_grads(ctx, SHAPES, grad_dtype, seed=1)
-        before = [fingerprint(g) for g in grads]
+        pool, reducer, grads, before = _poisoned_reducer(
+            ctx, config_for(mode, reduce_dtype, host=host), grad_dtype, 1)
         buckets = reducer.pack(grads, SHARD_DIMS)
         checks = {}
         if mode == "pergrad":
@@ -235,10 +250,8 @@ def _reduce_scatter(op: str, reduce_name: str, grad_name: str, mode: str, host=N
         checks.update(data_checks(ctx, SHAPES, [1]))
         checks.update(shard_checks(ctx, shards, SHAPES, SHARD_DIMS, op, [1], reduce_dtype,
                                    grad_dtypes=grad_dtype))
-        checks.update(intact_checks(grads, before, "after_wait"))
         checks["live_leases_while_shards_held"] = equal(pool.stats().live_leases, len(buckets))
-        result.release()
-        checks.update(after_release_checks(pool, grads, before))
+        checks.update(release_checks(pool, result, grads, before))
         return checks
     return case
 
@@ -261,20 +274,16 @@ def _reduce_scatter_mixed_grads(reduce_name, mode: str):
     def case(ctx: Context) -> dict:
         reduce_dtype = DTYPES[reduce_name] if reduce_name else None
         grad_dtypes = [ms.float32, ms.bfloat16] * (len(SHAPES) // 2)
-        pool = BucketPool(poison_on_release=True)
-        reducer = GradReducer(pool, ctx.comm, config_for(mode, reduce_dtype))
-        grads = make_grads(ctx, SHAPES, grad_dtypes, seed=2)
-        before = [fingerprint(g) for g in grads]
+        pool, reducer, grads, before = _poisoned_reducer(ctx, config_for(mode, reduce_dtype),
+                                                         grad_dtypes, 2)
         result = reducer.reduce_scatter(grads, SHARD_DIMS, op="avg")
         shards = result.wait()
         expected_dtypes = [reduce_dtype] * len(SHAPES) if reduce_dtype else grad_dtypes
         checks = shard_checks(ctx, shards, SHAPES, SHARD_DIMS, "avg", [2], expected_dtypes,
                               grad_dtypes=grad_dtypes)
-        checks.update(intact_checks(grads, before, "after_wait"))
         if mode == "fused":   # one bucket per reduce dtype
             checks["fused_buckets"] = equal(len(result.launched), 1 if reduce_dtype else 2)
-        result.release()
-        checks.update(after_release_checks(pool, grads, before))
+        checks.update(release_checks(pool, result, grads, before))
         return checks
     return case
 
@@ -289,16 +298,12 @@ for _rd in ("float32", None):
 def _all_reduce(op: str, reduce_name: str, grad_name: str, mode: str, host=None):
     def case(ctx: Context) -> dict:
         reduce_dtype, grad_dtype = DTYPES[reduce_name], DTYPES[grad_name]
-        pool = BucketPool(poison_on_release=True)
-        reducer = GradReducer(pool, ctx.comm, config_for(mode, reduce_dtype, host=host))
-        grads = make_grads(ctx, SHAPES, grad_dtype, seed=3)
-        before = [fingerprint(g) for g in grads]
+        pool, reducer, grads, before = _poisoned_reducer(
+            ctx, config_for(mode, reduce_dtype, host=host), grad_dtype, 3)
         result = reducer.all_reduce(grads, op=op)
         outputs = result.wait()
         checks = full_checks(ctx, outputs, SHAPES, op, [3], reduce_dtype, grad_dtypes=grad_dtype)
-        checks.update(intact_checks(grads, before, "after_wait"))
-        result.release()
-        checks.update(after_release_checks(pool, grads, before))
+        checks.update(release_checks(pool, result, grads, before))
         return checks
     return case
 
@@ -345,9 +350,7 @@ def _accumulate(op: str, reduce_name: str, grad_name: str, mode: str, all_reduce
             checks = shard_checks(ctx, outputs, SHAPES, SHARD_DIMS, op, ACC_SEEDS, reduce_dtype,
                                   grad_dtypes=grad_dtype)
         checks.update(data_checks(ctx, SHAPES, ACC_SEEDS))
-        checks.update(intact_checks(every, before, "after_wait"))
-        result.release()
-        checks.update(after_release_checks(pool, every, before))
+        checks.update(release_checks(pool, result, every, before))
         return checks
     return case
 
@@ -440,9 +443,7 @@ def _zero_copy_must_copy(why: str, shape, grad_dtype, reduce_dtype, align_bytes:
                   "no_borrow": equal([b.bucket.borrowed is None and b.bucket.lease is not None
                                       for b in result.launched], [True] * len(result.launched))}
         checks.update(shard_checks(ctx, result.wait(), shapes, dims, "avg", [7], reduce_dtype))
-        checks.update(intact_checks(grads, before, "after_wait"))
-        result.release()
-        checks.update(after_release_checks(pool, grads, before))
+        checks.update(release_checks(pool, result, grads, before))
         return checks
     case.__doc__ = f"zero_copy=True still copies when {why}"
     return case
@@ -475,9 +476,7 @@ def _zero_copy_every_shape(op: str, mode: str):
                 [item.bucket.lease is not None for item in result.launched], [True])}
         checks["bytes_copied"] = equal(copied, expected)
         checks.update(shard_checks(ctx, result.wait(), SHAPES, SHARD_DIMS, op, [13], ms.float32))
-        checks.update(intact_checks(grads, before, "after_wait"))
-        result.release()
-        checks.update(after_release_checks(pool, grads, before))
+        checks.update(release_checks(pool, result, grads, before))
         return checks
     return case
 
@@ -505,69 +504,31 @@ def _fused_reducer(ctx: Context, pool: BucketPool, comm) -> GradReducer:
     return GradReducer(pool, comm, reducer_config(reduce_dtype=ms.float32, comm_fusion=True))
 
 
-@suite.case
-def in_flight_second_reduce_gets_another_bucket(ctx: Context) -> dict:
-    """While the first reduction's collective is in flight (its handle not completed), a second
-    one's pack gets a new input bucket, never the fenced one; after completion all recycle."""
+@dataclass
+class _TwoInFlight:
+    """Two fused reductions on ``pool``, the second packed while the first's collective is still
+    in flight (delayed); what each pack got and what the pool said in between."""
+
+    reducer: GradReducer   # on a communicator whose collectives complete late
+    grads: list
+    before: list
+    inputs: tuple          # the two input buckets' storage
+    outputs: tuple         # the two output buckets' storage
+    stats: tuple           # pool stats after the first launch, after the second pack
+    first_pending: bool    # the first collective had not completed when the second packed
+    waited: float          # seconds the second pack took
+    results: tuple
+    checks: dict           # both results' shards against NumPy
+
+
+def _two_in_flight(ctx: Context, pool: BucketPool, op: str, seeds: tuple) -> _TwoInFlight:
     faulty = FaultInjectingCommunicator(ctx.comm, delay_seconds=DELAY, read_input_at=LATE)
-    pool = BucketPool(poison_on_release=True)
     reducer = _fused_reducer(ctx, pool, faulty)
-    g1 = make_grads(ctx, SHAPES, ms.float32, seed=8)
-    g2 = make_grads(ctx, SHAPES, ms.float32, seed=9)
+    g1, g2 = (make_grads(ctx, SHAPES, ms.float32, seed=seed) for seed in seeds)
     before = [fingerprint(g) for g in g1 + g2]
     b1 = reducer.pack(g1, SHARD_DIMS)
     in1 = storage_ptr(b1[0].lease.tensor)
-    r1 = reducer.launch(b1, op="sum")
-    s1 = pool.stats()
-    first_pending = not r1.is_completed()
-    b2 = reducer.pack(g2, SHARD_DIMS)
-    in2 = storage_ptr(b2[0].lease.tensor)
-    s2 = pool.stats()
-    r2 = reducer.launch(b2, op="sum")
-    out1, out2 = (storage_ptr(r.launched[0].output.tensor) for r in (r1, r2))
-    shards1, shards2 = r1.wait(), r2.wait()
-    # values first: an input bucket re-leased early shows here as the wrong numbers
-    checks = shard_checks(ctx, shards1, SHAPES, SHARD_DIMS, "sum", [8], ms.float32, "r1_")
-    checks.update(shard_checks(ctx, shards2, SHAPES, SHARD_DIMS, "sum", [9], ms.float32, "r2_"))
-    checks.update({
-        "first_pending_when_second_packed": equal(first_pending, True),
-        "first_input_fenced": equal(s2.fenced_buckets, 1),
-        "second_input_new_allocation": equal(s2.new_allocations - s1.new_allocations, 1),
-        # in2 != in1: the fenced input is not re-leased; out1 is live, so nobody else gets it.
-        "second_input_not_first_input": equal(in2 != in1, True),
-        "live_output_never_leased": equal(len({in1, in2, out1}) == 3 and out2 != out1, True),
-        "no_nan": equal(has_nan(shards1 + shards2), False),
-    })
-    r1.release()
-    r2.release()
-    # Completed fences recycle (poisoned): a third reduce reuses them and is still right.
-    s3 = pool.stats()
-    r3 = reducer.reduce_scatter(g1, SHARD_DIMS, op="sum")
-    shards3 = r3.wait()
-    s4 = pool.stats()
-    checks["recycled_after_completion"] = equal(
-        [s3.fenced_buckets, s3.free_buckets, s4.new_allocations - s3.new_allocations],
-        [0, s3.new_allocations, 0])
-    checks.update(shard_checks(ctx, shards3, SHAPES, SHARD_DIMS, "sum", [8], ms.float32, "r3_"))
-    r3.release()
-    checks.update(intact_checks(g1 + g2, before, "after_wait"))
-    checks.update(after_release_checks(pool, g1 + g2, before))
-    return checks
-
-
-@suite.case
-def in_flight_cap_one_waits_and_counts_stall(ctx: Context) -> dict:
-    """max_buckets_in_flight=1: the second pack waits for the first input's fence (a stall), then
-    reuses that bucket; the first result's output bucket (still leased) is never handed out."""
-    faulty = FaultInjectingCommunicator(ctx.comm, delay_seconds=DELAY, read_input_at=LATE)
-    pool = BucketPool(poison_on_release=True, max_buckets_in_flight=1)
-    reducer = _fused_reducer(ctx, pool, faulty)
-    g1 = make_grads(ctx, SHAPES, ms.float32, seed=10)
-    g2 = make_grads(ctx, SHAPES, ms.float32, seed=11)
-    before = [fingerprint(g) for g in g1 + g2]
-    b1 = reducer.pack(g1, SHARD_DIMS)
-    in1 = storage_ptr(b1[0].lease.tensor)
-    r1 = reducer.launch(b1, op="avg")
+    r1 = reducer.launch(b1, op=op)
     s1 = pool.stats()
     first_pending = not r1.is_completed()
     start = time.perf_counter()
@@ -575,25 +536,68 @@ def in_flight_cap_one_waits_and_counts_stall(ctx: Context) -> dict:
     waited = time.perf_counter() - start
     in2 = storage_ptr(b2[0].lease.tensor)
     s2 = pool.stats()
-    r2 = reducer.launch(b2, op="avg")
+    r2 = reducer.launch(b2, op=op)
     out1, out2 = (storage_ptr(r.launched[0].output.tensor) for r in (r1, r2))
     shards1, shards2 = r1.wait(), r2.wait()
-    checks = shard_checks(ctx, shards1, SHAPES, SHARD_DIMS, "avg", [10], ms.float32, "r1_")
-    checks.update(shard_checks(ctx, shards2, SHAPES, SHARD_DIMS, "avg", [11], ms.float32, "r2_"))
-    checks.update({
-        "first_pending_before_second_pack": equal(first_pending, True),
+    # values first: an input bucket re-leased early shows here as the wrong numbers
+    checks = shard_checks(ctx, shards1, SHAPES, SHARD_DIMS, op, [seeds[0]], ms.float32, "r1_")
+    checks.update(shard_checks(ctx, shards2, SHAPES, SHARD_DIMS, op, [seeds[1]], ms.float32,
+                               "r2_"))
+    checks["no_nan"] = equal(has_nan(shards1 + shards2), False)
+    return _TwoInFlight(reducer, g1 + g2, before, (in1, in2), (out1, out2), (s1, s2), first_pending,
+                        waited, (r1, r2), checks)
+
+
+@suite.case
+def in_flight_second_reduce_gets_another_bucket(ctx: Context) -> dict:
+    """While the first reduction's collective is in flight (its handle not completed), a second
+    one's pack gets a new input bucket, never the fenced one; after completion all recycle."""
+    pool = BucketPool(poison_on_release=True)
+    run = _two_in_flight(ctx, pool, "sum", (8, 9))
+    (in1, in2), (out1, out2), (s1, s2) = run.inputs, run.outputs, run.stats
+    checks = {
+        **run.checks,
+        "first_pending_when_second_packed": equal(run.first_pending, True),
+        "first_input_fenced": equal(s2.fenced_buckets, 1),
+        "second_input_new_allocation": equal(s2.new_allocations - s1.new_allocations, 1),
+        # in2 != in1: the fenced input is not re-leased; out1 is live, so nobody else gets it.
+        "second_input_not_first_input": equal(in2 != in1, True),
+        "live_output_never_leased": equal(len({in1, in2, out1}) == 3 and out2 != out1, True),
+    }
+    for result in run.results:
+        result.release()
+    # Completed fences recycle (poisoned): a third reduce reuses them and is still right.
+    s3 = pool.stats()
+    r3 = run.reducer.reduce_scatter(run.grads[:len(SHAPES)], SHARD_DIMS, op="sum")
+    shards3 = r3.wait()
+    s4 = pool.stats()
+    checks["recycled_after_completion"] = equal(
+        [s3.fenced_buckets, s3.free_buckets, s4.new_allocations - s3.new_allocations],
+        [0, s3.new_allocations, 0])
+    checks.update(shard_checks(ctx, shards3, SHAPES, SHARD_DIMS, "sum", [8], ms.float32, "r3_"))
+    checks.update(release_checks(pool, r3, run.grads, run.before))
+    return checks
+
+
+@suite.case
+def in_flight_cap_one_waits_and_counts_stall(ctx: Context) -> dict:
+    """max_buckets_in_flight=1: the second pack waits for the first input's fence (a stall), then
+    reuses that bucket; the first result's output bucket (still leased) is never handed out."""
+    pool = BucketPool(poison_on_release=True, max_buckets_in_flight=1)
+    run = _two_in_flight(ctx, pool, "avg", (10, 11))
+    (in1, in2), (out1, out2), (s1, s2) = run.inputs, run.outputs, run.stats
+    checks = {
+        **run.checks,
+        "first_pending_before_second_pack": equal(run.first_pending, True),
         "stall_counted": equal(s2.stalls - s1.stalls >= 1, True),
         "stall_seconds_positive": equal(s2.stall_seconds - s1.stall_seconds > 0, True),
-        "pack_really_waited": equal(waited >= 0.5 * DELAY, True),
+        "pack_really_waited": equal(run.waited >= 0.5 * DELAY, True),
         "no_new_input_bucket": equal(s2.new_allocations, s1.new_allocations),
         "input_bucket_reused_after_fence": equal(in2, in1),
         "live_output_never_leased": equal(len({in2, out1, out2}), 3),
-        "no_nan": equal(has_nan(shards1 + shards2), False),
-    })
-    r1.release()
-    r2.release()
-    checks.update(intact_checks(g1 + g2, before, "after_wait"))
-    checks.update(after_release_checks(pool, g1 + g2, before))
+    }
+    run.results[0].release()
+    checks.update(release_checks(pool, run.results[1], run.grads, run.before))
     return checks
 
 
