@@ -33,6 +33,8 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m gradpool.app._rank_entry SCRIPT [ARGS...]", file=sys.stderr)
         return 2
+    if os.environ.get("MS_ROLE") == "MS_SCHED":
+        return _serve_cluster()
     script = os.path.abspath(argv[0])
     sys.argv = [script] + argv[1:]
     sys.path[0] = os.path.dirname(script)     # what ``python SCRIPT`` puts first
@@ -51,6 +53,15 @@ def main(argv: list[str]) -> int:
     if reporter is not None:
         reporter.finish(code)
     return code
+
+
+def _serve_cluster() -> int:
+    """msrun's scheduler process: it only serves the cluster, inside ``init()``, until the
+    workers are done. It skips the script, whose imports would compete for the cores with the
+    workers' own while they start (the script's first step, ``init()``, is all it ran here)."""
+    from mindspore.communication import init
+    init()
+    return 0
 
 
 if __name__ == "__main__":

@@ -441,6 +441,11 @@ class _Watch:
                     else None for r in reports]
         return out
 
+    def all_ended_well(self) -> bool:
+        """Every rank of this node recorded exit code 0 and its process is gone."""
+        return all(r is not None and r.exit_code == 0 and not pid_alive(r.pid)
+                   for r in self.local())
+
     def dead(self) -> Optional[int]:
         found = dead_rank(self.local)
         if found is not None or not self.peers:
@@ -457,6 +462,10 @@ def _run(launch: NodeLaunch, timeout: float, failure_grace: float, peers: dict) 
     timed_out = False
     stopped_for: Optional[int] = None
     failed_at = None
+    # Once every rank of a one-node job has ended well, the launcher ends msrun, whose scheduler
+    # notices that only at its next check (every 5 s: docs/launch.md#when-a-launch-ends). Not on
+    # a multi-node job: node 0's msrun runs the scheduler the other nodes' ranks still need.
+    may_end_early = launch.via_msrun and launch.spec.nodes == 1
     procs = []
     try:
         for process in launch.processes:
@@ -479,6 +488,11 @@ def _run(launch: NodeLaunch, timeout: float, failure_grace: float, peers: dict) 
                     # info, not warning: the LaunchError raised afterwards says it to the user
                     logger.info("rank %d failed; stopping the launch unless it ends within %.0f s",
                                 dead, failure_grace)
+            if may_end_early and watch.all_ended_well():
+                logger.info("every rank ended with exit code 0; ending msrun's scheduler")
+                _stop(procs, launch, via_msrun=True)
+                returncode = 0
+                break
             if now - start >= timeout or (failed_at is not None
                                           and now - failed_at >= failure_grace):
                 timed_out = failed_at is None
