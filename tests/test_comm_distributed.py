@@ -3,6 +3,7 @@ tests/distributed/comm_cases.py, and each case is a test here. Plus a cheap laun
 fails, for gradpool.launch's error path."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -54,6 +55,30 @@ def test_failing_rank_raises_launch_error_within_seconds(tmp_path):
     # nothing it started survives: rank 0's sleep and rank 1's lingering process are gone
     pids = [r.pid for r in result.ranks]
     assert None not in pids and not any(map(pid_alive, pids))
+
+
+def test_a_launch_ends_as_soon_as_every_rank_has_ended_well(tmp_path):
+    # msrun's scheduler would wait for these ranks until the cluster timeout (they never
+    # initialize communication): only the launcher ending msrun lets the launch end in time.
+    start = time.monotonic()
+    result = run_ranks(DIST_DIR / "ranks_exit_ok.py", nproc=NPROC, log_dir=tmp_path, timeout=90)
+    elapsed = time.monotonic() - start
+    assert result.ok and result.exit_codes == (0, 0) and result.returncode == 0
+    assert elapsed < 60, elapsed
+    script = str(DIST_DIR / "ranks_exit_ok.py")
+    assert not [pid for pid in _pids() if script in _cmdline(pid)], "a process of it survived"
+
+
+def _pids() -> list:
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def test_a_node_started_without_msrun_reports_and_stops_its_failing_rank(tmp_path):

@@ -491,7 +491,7 @@ def _run(launch: NodeLaunch, timeout: float, failure_grace: float, peers: dict) 
             if may_end_early and watch.all_ended_well():
                 logger.info("every rank ended with exit code 0; ending msrun's scheduler")
                 _stop(procs, launch, via_msrun=True)
-                returncode = 0
+                returncode = _returncode(procs)      # msrun's, from its SIGINT handler
                 break
             if now - start >= timeout or (failed_at is not None
                                           and now - failed_at >= failure_grace):
