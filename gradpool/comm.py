@@ -416,7 +416,11 @@ def _host_input(tensor: ms.Tensor) -> np.ndarray:
     """A CPU tensor's values as a flat NumPy array, once every queued op writing it has run."""
     drain_launch_queue()
     array = host_alias(tensor)
-    return array if array is not None else host_alias(tensor.contiguous())
+    if array is None:
+        tensor = tensor.contiguous()
+        drain_launch_queue()
+        array = host_alias(tensor)
+    return array
 
 
 class _HostOutput:
@@ -428,7 +432,8 @@ class _HostOutput:
         self._tensor, self._staged = tensor, None
         self._array = host_alias(tensor)
         if self._array is None:
-            self._staged = mint.empty(tensor.numel(), dtype=tensor.dtype)
+            self._staged = mint.zeros(tensor.numel(), dtype=tensor.dtype)
+            drain_launch_queue()
             self._array = host_alias(self._staged)
 
     def __enter__(self) -> np.ndarray:

@@ -204,6 +204,28 @@ for _dt in DTYPES:
     suite.add(f"collectives_in_pieces_{_dt}", _in_pieces(_dt))
 
 
+@suite.case
+def strided_input_and_output(ctx: Context) -> dict:
+    """Flat tensors that are not contiguous (every other element of a buffer) are read and
+    written through a contiguous copy; the elements between them stay as they were."""
+    world = ctx.world_size
+    source = tensor(np.repeat(rank_values(ctx.rank, world * N), 2), ms.float32)
+    out_buffer = tensor(np.full(2 * N, SENTINEL), ms.float32)
+    shard = out_buffer[::2]
+    ctx.comm.reduce_scatter(shard, source[::2], op="sum")
+    expected = reduced(ctx, world * N, "sum")[ctx.rank * N:(ctx.rank + 1) * N]
+    summed_buffer = tensor(np.repeat(rank_values(ctx.rank, N), 2), ms.float32)
+    ctx.comm.all_reduce(summed_buffer[1::2], op="sum")
+    return {"not_contiguous": equal([shard.is_contiguous(), source[::2].is_contiguous()],
+                                    [False, False]),
+            "shard": allclose(out_buffer[::2], expected, ms.float32),
+            "between_untouched": allclose(out_buffer[1::2], np.full(N, SENTINEL), ms.float32),
+            "all_reduce_in_place": allclose(summed_buffer[1::2], reduced(ctx, N, "sum"),
+                                            ms.float32),
+            "all_reduce_others_untouched": allclose(summed_buffer[::2], rank_values(ctx.rank, N),
+                                                    ms.float32)}
+
+
 def _bfloat16_bits(rank: int) -> np.ndarray:
     """Rank 0 sends 1.0 where the others send 2**-8 or 3 * 2**-9 (sums no bfloat16 holds: a tie
     to even and a round up), a negative NaN with payload where the others send 1.0, and every
