@@ -628,7 +628,8 @@ def test_a_wait_only_fence_is_waited_at_the_in_flight_bound():
     second.release()
 
 
-@pytest.mark.parametrize("fence", [object(), 3, "done", lambda: None], ids=repr)
+@pytest.mark.parametrize("fence", [object(), 3, "done", lambda: None],
+                         ids=["object", "int", "str", "function"])
 def test_a_fence_without_wait_is_refused_and_the_lease_stays_live(fence):
     pool = BucketPool(alignment_bytes=4)
     lease = pool.acquire(16, ms.float32)
