@@ -14,8 +14,10 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+# Two pytest workers, a test file each at a time: an msrun launch spends seconds waiting (cluster
+# start-up and teardown) while the other worker's tests use the cores (docs/testing.md).
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 	$(PY) -m pytest -q benchmarks --benchmark-disable
 
 train: setup
