@@ -307,7 +307,9 @@ class RankResult:
 class LaunchResult:
     command: tuple[str, ...]
     log_dir: Path
-    returncode: Optional[int]        # msrun's own; None when the launcher stopped it
+    # msrun's own; 0 when every rank ended with 0 and the launcher ended msrun (see _run); None
+    # when the launcher stopped it otherwise
+    returncode: Optional[int]
     seconds: float
     ranks: tuple[RankResult, ...]
     timed_out: bool = False
@@ -491,7 +493,9 @@ def _run(launch: NodeLaunch, timeout: float, failure_grace: float, peers: dict) 
             if may_end_early and watch.all_ended_well():
                 logger.info("every rank ended with exit code 0; ending msrun's scheduler")
                 _stop(procs, launch, via_msrun=True)
-                returncode = _returncode(procs)      # msrun's, from its SIGINT handler
+                # the ranks' verdict: msrun's own status is now that of the signal (or of its
+                # own exit, when it was ending just then)
+                returncode = 0
                 break
             if now - start >= timeout or (failed_at is not None
                                           and now - failed_at >= failure_grace):

@@ -43,7 +43,7 @@ class HostWriter:
     call so NumPy comes after every queued op that writes a gradient or the bucket."""
 
     def __init__(self):
-        kernels.compile_host_loops()
+        kernels.compile_host_loops()      # here, so no pack compiles inside a training step
         # id(allocation) -> (data pointer, memory as an array, weak reference). The pool's record
         # owns the allocation; the weak reference's callback drops the entry with it (so the id
         # stays unique), the array keeps nothing alive. A released storage's pointer is 0.
