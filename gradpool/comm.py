@@ -330,8 +330,8 @@ class CpuMcclCommunicator(_GroupCommunicator):
         self.group = group or GlobalComm.WORLD_COMM_GROUP
         self._rank = get_rank(self.group)
         self._world = get_group_size(self.group)
-        # (padded length, wire dtype) -> (tensor, its host memory): a piece is written into its
-        # stage with NumPy, which costs less than a slice, a pad and a cast as MindSpore ops.
+        # (padded length, source's host dtype) -> (tensor of the wire dtype, its host memory): a
+        # piece is written into its stage with NumPy, cheaper than a slice, pad and cast as ops.
         self._stages: dict = {}
 
     def _reduce_scatter(self, output, input, op, async_op) -> CommHandle:
@@ -390,11 +390,13 @@ class CpuMcclCommunicator(_GroupCommunicator):
             drain_launch_queue()        # allocated and filled before NumPy writes it
             self._stages[key] = (tensor, host_alias(tensor))
         tensor, stage = self._stages[key]
-        low, high = max(start, offset), min(start + length, offset + src.size)
-        stage[:] = 0
-        if low < high:
-            np.copyto(stage[low - start:high - start], src[low - offset:high - offset],
-                      casting="unsafe")          # bfloat16 -> float32 is exact
+        # the part of the piece inside src, then zeros around it: each element written once
+        low = min(max(start, offset), start + length)
+        high = max(min(start + length, offset + src.size), low)
+        np.copyto(stage[low - start:high - start], src[low - offset:high - offset],
+                  casting="unsafe")              # bfloat16 -> float32 is exact
+        stage[:low - start] = 0
+        stage[high - start:] = 0
         return tensor
 
     def _run(self, name: str, kind: str, tensor: ms.Tensor) -> np.ndarray:
