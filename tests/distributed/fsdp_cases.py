@@ -302,8 +302,11 @@ def probe_checks(ctx: Context, cfg, model) -> dict:
                               "main_two_syncs"))
     model.zero_grad()
     if use_main:
-        checks["zero_grad clears main_grad"] = equal(
-            sorted({str(v) for v in main_grads().values()}), ["None"])
+        zeroed = main_grads()
+        checks["zero_grad makes main_grad zeros of the shard's shape"] = equal(
+            {name: (None if g is None else [list(g.shape), float(np.abs(g).max(initial=0.0))])
+             for name, g in zeroed.items()},
+            {name: [list(managed[name].local_shape), 0.0] for name in zeroed})
     no_sync = backward(0, False)
     checks["no-sync micro-step returns zero grads"] = equal(
         all(not np.any(v) for v in no_sync.values()), True)

@@ -29,6 +29,7 @@ from hyper_parallel.core.fully_shard.state_dict import (get_model_state_dict,
                                                         set_optimizer_state_dict)
 from hyper_parallel.core.fully_shard.utils import (CPUOffloadPolicy, MixedPrecisionPolicy,
                                                    OffloadPolicy)
+from hyper_parallel.platform.mindspore.fully_shard.autograd import grad_recorded, in_backward
 from hyper_parallel.platform.mindspore.fully_shard.param import MindSporeHSDPParamV2
 from hyper_parallel.platform.mindspore.fully_shard.state import (HSDPUnitState,
                                                                   finish_async_reduces)
@@ -37,7 +38,7 @@ __all__ = ["fully_shard", "HSDPModule", "hsdp_sync_stream", "MixedPrecisionPolic
            "OffloadPolicy", "CPUOffloadPolicy", "get_model_state_dict", "set_model_state_dict",
            "get_optimizer_state_dict", "set_optimizer_state_dict"]
 logger = logging.getLogger(__name__)
-_EXTENDED_CLASSES: dict[type, type] = {}
+_EXTENDED_CLASSES: dict = {}     # class (or (ShardedReads, class)) -> its extended class
 
 
 class _Unsharded:
@@ -46,6 +47,36 @@ class _Unsharded:
 
     def wait(self) -> None:
         return None
+
+
+class ShardedReads:
+    """What a cell holding a ``fully_shard``-managed parameter gains: reading that parameter
+    while its unit is not running, inside a forward (``self.embed.weight`` in a root: a tie
+    across units), gathers it as a use of its unit instead of handing out the local shard.
+    Outside any forward (inspection, initialisation) the attribute is the local shard
+    ``Parameter``, as ``trainable_params()`` lists it."""
+
+    def __getattr__(self, name):
+        managed = self.__dict__.get("_hsdp_reads", {}).get(name)
+        if managed is not None and _reading_in_a_forward(managed.unit.runtime):
+            return managed.unit.read_outside(managed)
+        return super().__getattr__(name)
+
+
+def _reading_in_a_forward(runtime) -> bool:
+    return grad_recorded() or in_backward() or any(u.in_forward for u in runtime.live_units())
+
+
+def _guard_reads(cell, attr: str, managed) -> None:
+    cls = type(cell)
+    if not isinstance(cell, ShardedReads):
+        extended = _EXTENDED_CLASSES.get((ShardedReads, cls))
+        if extended is None:
+            # the same name: messages and reprs name the user's class
+            extended = type(cls.__name__, (ShardedReads, cls), {})
+            _EXTENDED_CLASSES[(ShardedReads, cls)] = extended
+        cell.__class__ = extended
+    cell.__dict__.setdefault("_hsdp_reads", {})[attr] = managed
 
 
 class HSDPModule:
@@ -326,6 +357,7 @@ def fully_shard(module: Union[nn.Cell, list], *, mesh: Optional[DeviceMesh] = No
         managed.adopt(param)
         for cell, attr in managed.owners:
             cell._params[attr] = managed.sharded_param    # pylint: disable=protected-access
+            _guard_reads(cell, attr, managed)
     # A list is one unit, as upstream: one gather and one reduce per step for all its modules.
     unit = HSDPUnitState(modules, [m for _, m in params], reducer, mp_policy,
                          reshard_after_forward,

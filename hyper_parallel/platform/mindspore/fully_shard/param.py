@@ -7,9 +7,10 @@ gradient's dtype that freed autograd's own gradient. Here the reduce-scatter rea
 (or, with zero-copy, borrows the gradient until the collective completes) and
 ``reduce_scatter_output()`` only drops references: nothing in this package resizes storage.
 
-Lifetime of the reduced shard (the tensor handed back to autograd and so to the optimizer): it is
-a view of a pool output bucket, valid until the owning unit's next synchronized backward or
-``zero_grad()``, which call ``clear_reduce_scatter_output()``. Copy it if you need it longer.
+Lifetime of the reduced shard: ``reduce_scatter_output()`` is a view of a pool output bucket,
+valid until ``clear_reduce_scatter_output()``; what autograd and the optimizer receive
+(``apply_reduced_grad``, ``main_grad``) is memory of their own (pool memory never leaves the
+pool).
 """
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ class MindSporeHSDPParamV2:
 
     def adopt(self, original: Parameter) -> None:
         """Mark the shard and the original as managed (the commit step of ``fully_shard``)."""
-        self.sharded_param.main_grad = None
+        self.sharded_param.main_grad = self.zero_main_grad()
         self.sharded_param.hsdp_param = self
         original.hsdp_managed_by = self    # so another unit will not shard it again
 
@@ -221,10 +222,11 @@ class MindSporeHSDPParamV2:
             self._slot = None
 
     def apply_reduced_grad(self, reduced: ms.Tensor) -> ms.Tensor:
-        """The gradient autograd hands back for the local shard, in the shard's dtype (without
-        main_grad: the unit returns it from backward; with ``apply_grad_on_fp32_main_grad`` the
-        unit adds the shard into ``main_grad`` instead and returns zeros)."""
-        grad = reduced if reduced.dtype == self.orig_dtype else reduced.astype(self.orig_dtype)
+        """The gradient autograd gets for the local shard: a tensor of its own (never a view of
+        the pool bucket ``reduced`` may live in), in the shard's dtype (without main_grad: the
+        unit returns it from backward; with ``apply_grad_on_fp32_main_grad`` the unit adds the
+        shard into ``main_grad`` instead and returns zeros)."""
+        grad = owned_copy(reduced, self.orig_dtype)
         if self.use_main_grad:
             self.add_to_main_grad(reduced)
         return grad
@@ -240,8 +242,7 @@ class MindSporeHSDPParamV2:
         main = self.sharded_param.main_grad
         addend = reduced if reduced.dtype == ms.float32 else reduced.astype(ms.float32)
         if main is None:
-            # a copy of its own (astype to the same dtype would alias the bucket)
-            self.sharded_param.main_grad = mint.mul(addend, 1.0) if addend is reduced else addend
+            self.sharded_param.main_grad = owned_copy(reduced, ms.float32)
         elif self._add_in_place:
             main.add_(addend)
         else:
@@ -255,9 +256,14 @@ class MindSporeHSDPParamV2:
             self._grad = None
 
     def zero_grad(self) -> None:
+        """Drop the gradient; ``main_grad`` becomes zeros (main_grad mode), so a unit that does
+        not run in a step still gives the optimizer a gradient."""
         self.clear_reduce_scatter_output()
         self._grad = None
-        self.sharded_param.main_grad = None
+        self.sharded_param.main_grad = self.zero_main_grad()
+
+    def zero_main_grad(self) -> Optional[ms.Tensor]:
+        return mint.zeros(self.local_shape, dtype=ms.float32) if self.use_main_grad else None
 
     def _check_gradient_intact(self) -> None:
         if self._fingerprint is None or self._grad is None:
@@ -276,6 +282,14 @@ class MindSporeHSDPParamV2:
     def __repr__(self) -> str:
         kind = "replicated" if self.replicate else f"Shard({self.shard_dim})"
         return f"MindSporeHSDPParamV2({self.name}, {self.orig_shape}, {kind})"
+
+
+def owned_copy(tensor: ms.Tensor, dtype) -> ms.Tensor:
+    """``tensor`` in ``dtype`` as a new tensor of its own: a cast writes one; to the same dtype
+    ``astype`` would return ``tensor`` itself, so it is multiplied by 1 (exact, out of place)."""
+    if tensor.dtype != dtype:
+        return tensor.astype(dtype)
+    return mint.mul(tensor, 1)
 
 
 # -- the local shard of a parameter ----------------------------------------------------------

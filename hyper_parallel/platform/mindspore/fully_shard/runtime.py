@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import weakref
 from typing import Optional
 
@@ -19,6 +20,12 @@ import mindspore as ms
 from mindspore import mint
 
 from gradpool import device_target, return_free_host_memory
+from hyper_parallel.platform.mindspore.fully_shard.autograd import (backward_engine,
+                                                                     in_backward,
+                                                                     queue_end_of_backward)
+from hyper_parallel.platform.mindspore.fully_shard.recompute import non_reentrant_recompute
+
+logger = logging.getLogger(__name__)
 
 
 class FullyShardRuntime:
@@ -30,6 +37,8 @@ class FullyShardRuntime:
         self.zeros: dict = {}                      # (shape, dtype) -> read-only zero tensor
         self.forward_order: list = []              # units in the order their forward ended
         self.replaced_parameters = False           # fully_shard swapped some since the last forward
+        self.backward_pass: Optional[int] = None   # engine whose end-of-backward is queued
+        self.backward_units: dict = {}             # id -> unit: units that ran in that pass
 
     # -- registry ---------------------------------------------------------------------------------
     def register(self, unit) -> None:
@@ -80,6 +89,63 @@ class FullyShardRuntime:
                 error = error if error is not None else exc
         if error is not None:
             raise error
+
+    # -- the backward pass ------------------------------------------------------------------------
+    def backward_started(self, unit) -> None:
+        """``unit``'s backward runs: the first unit of a backward pass queues the pass's end
+        (autograd's final callback), so the step ends when autograd is done, whatever the root
+        holds and whichever units the loss used; a nested engine (a reentrant recompute's inner
+        backward) ends inside the outer pass, so only the outer one ends the step."""
+        self.backward_units.setdefault(id(unit), unit)
+        if self.backward_pass is None and in_backward():
+            self.backward_pass = backward_engine()
+            queue_end_of_backward(self.end_backward_pass)
+
+    def forward_started(self) -> None:
+        """A forward outside backward: a backward pass still recorded as running raised before
+        its end (autograd runs no final callback then); its units are settled now."""
+        if self.backward_pass is not None:
+            self.backward_pass, self.backward_units = None, {}
+            for unit in self.live_units():
+                unit.settle_backward()
+
+    def end_backward_pass(self) -> None:
+        """Every gradient of the pass is computed. Unless a unit that ran is told more
+        micro-batches follow (``set_is_last_backward(False)``), the asynchronous reduces land in
+        ``main_grad`` and prefetched gathers no backward used are given back; then every unit
+        is settled (its gathered memory released, its per-step state at rest)."""
+        units = list(self.backward_units.values())
+        self.backward_pass, self.backward_units = None, {}
+        last = all(unit.is_last_backward for unit in units)
+        try:
+            if last:
+                self.abandon_prefetches()
+                self.finish_async_reduces()
+        finally:
+            for unit in self.live_units():
+                unit.settle_backward()
+            if last:
+                for pool in {id(u.reducer.pool): u.reducer.pool for u in units}.values():
+                    pool.wait_all()
+
+    def reset_after_failed_forward(self, cell) -> None:
+        """A forward raised inside a unit's module (caught by the caller, step skipped): every
+        unit back to rest, so the next step and every later model start clean."""
+        logger.warning("fully_shard: the forward of %s raised; every unit's gathered parameters "
+                       "and per-step state are reset", type(cell).__name__)
+        self.forward_order = []
+        for unit in self.live_units():
+            unit.reset_after_failure()
+
+    # -- activation recompute ---------------------------------------------------------------------
+    def check_recompute_cells(self, unit) -> None:
+        """MindSpore's reentrant recompute (``Cell.recompute()``'s default) re-runs a cell under
+        a nested grad that differentiates only the cell's own Parameters, so the gathered
+        parameters a unit installs would get no gradient: such a cell inside a unit is switched
+        to MindSpore's non-reentrant recompute (same activations recomputed), once, logged."""
+        for module in unit.modules:
+            for _, cell in module.cells_and_names():
+                non_reentrant_recompute(cell)
 
     def abandon_prefetches(self) -> None:
         for unit in self.live_units():

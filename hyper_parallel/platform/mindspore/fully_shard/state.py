@@ -47,6 +47,8 @@ from mindspore.common._grad_function import _Function
 
 from gradpool import (SUPPORTED_DTYPES, GatheredParam, GradReducer, LeaseStateError,
                       PackedBucket, check_reduce_op)
+from hyper_parallel.platform.mindspore.fully_shard.autograd import (grad_recorded, in_backward,
+                                                                     replaying_forward)
 from hyper_parallel.platform.mindspore.fully_shard.param import (MindSporeHSDPParamV2,
                                                                   PendingGather,
                                                                   launch_all_gather)
@@ -126,11 +128,17 @@ class HSDPUnitState:
         self.reduce_op = "avg"
         self._pending: Optional[tuple[list[PackedBucket], list[PackedBucket]]] = None
         self._gather = _make_gather_function(self)
+        # Per-step state (one reset path: settle_backward at the end of each backward pass,
+        # reset_after_failure when a forward raised):
         self._forwarded: set[int] = set()     # modules of this unit run since the last gather
-        self._gathered = False
+        self._post_ran: set[int] = set()      # modules whose post-forward hook ran this call
+        self._gathered = False                # a forward use is under way (gathered, installed)
         self._in_backward = False             # the backward pre-hook ran, the backward has not
+        self.uses_awaiting_backward = 0       # recorded forward uses whose backward has not run
+        self._outside_uses = 0                # ... of them, reads from outside the unit
+        self._installed_for_backward = False  # the backward pre-hook installed the gathered
+        self._recompute_checked = False       # reentrant Cell.recompute() switched (first use)
         self._is_root: Optional[bool] = None
-        self._drained_by_a_root: Optional[bool] = None
         self.forward_prefetch: list["HSDPUnitState"] = []     # units gathered when this one is
         # None: the next unit in backward order (implicit); a list: those units
         self.backward_prefetch: Optional[list["HSDPUnitState"]] = None
@@ -146,6 +154,8 @@ class HSDPUnitState:
                 module.register_forward_pre_hook(self._pre_forward)
                 module.register_backward_pre_hook(self._pre_backward)
             module.register_forward_hook(self._post_forward)
+            # runs after _post_forward, and also when the module's forward raised
+            module.register_forward_hook(self._after_forward_call, always_call=True)
         runtime.register(self)
 
     @property
@@ -168,27 +178,9 @@ class HSDPUnitState:
                    for module in self.modules)
 
     @property
-    def ends_backward(self) -> bool:
-        """A root whose own backward runs (it has parameters, so autograd calls its gather's
-        backward, after every unit inside it): where the asynchronous reduces are drained."""
-        return self.is_root and bool(self.params)
-
-    @property
-    def can_leave_reduce_in_flight(self) -> bool:
-        """Some unit's backward ends the step after this one's (this unit, or a root containing
-        it, with parameters of its own). A root without parameters has no backward of its own,
-        so nothing would wait for a reduce left in flight: its units reduce synchronously."""
-        if self._drained_by_a_root is None:
-            self._drained_by_a_root = self.ends_backward or any(
-                other.ends_backward and other.contains(self)
-                for other in self.runtime.live_units())
-            if self.async_reduce and not self._drained_by_a_root:
-                logger.warning(
-                    "fully_shard unit %s: its root unit has no parameters of its own, so no "
-                    "backward ends the step; reducing synchronously (apply fully_shard to a "
-                    "root that owns parameters, e.g. the embedding, to overlap the reduce)",
-                    [type(m).__name__ for m in self.modules])
-        return self._drained_by_a_root
+    def in_forward(self) -> bool:
+        """A forward use of this unit is under way (its parameters gathered and installed)."""
+        return self._gathered
 
     @property
     def reshards_after_forward(self) -> bool:
@@ -208,23 +200,71 @@ class HSDPUnitState:
     # -- forward ----------------------------------------------------------------------------------
     def _pre_forward(self, cell, inputs):
         self.runtime.free_replaced_parameters()
-        if not self._gathered:
-            # One gather for the whole unit, at the first of its modules to run: its backward
-            # then receives every module's gradients at once, and the unit reduces once.
-            fulls = self._gather.apply(*[p.sharded_param for p in self.params])
-            if not isinstance(fulls, (tuple, list)):
-                fulls = (fulls,)
-            self._install(fulls)
-            self._gathered = True
-            self._in_backward = False
-            for unit in self.forward_prefetch:
-                unit.prefetch()
+        if replaying_forward():
+            self._prepare_recompute()
+        elif not self._gathered:
+            self._begin_forward_use()
         dtype = self.mp_policy.param_dtype
         if dtype is not None and self.mp_policy.cast_forward_inputs:
             return tuple(_cast_floating(x, dtype) for x in inputs)
         return None
 
+    def _begin_forward_use(self) -> None:
+        """One use of the unit starts: one gather for the whole unit, at the first of its
+        modules to run, so its backward receives every module's gradients at once. A unit run
+        again in the same forward (weight reuse) gathers again: each use is its own autograd
+        node, whose backward reduces that use's gradients (autograd sums the uses)."""
+        self.runtime.forward_started()
+        if not self._recompute_checked:
+            self.runtime.check_recompute_cells(self)
+            self._recompute_checked = True
+        fulls = self._gather.apply(*[p.sharded_param for p in self.params])
+        if not isinstance(fulls, (tuple, list)):
+            fulls = (fulls,)
+        self._install(fulls)
+        self._gathered = True
+        self._in_backward = False
+        if grad_recorded():
+            self.uses_awaiting_backward += 1
+        for unit in self.forward_prefetch:
+            unit.prefetch()
+
+    def _prepare_recompute(self) -> None:
+        """A forward run inside backward (activation recompute): the cells read the gathered
+        parameters this backward holds (gathered again only if released: the backward pre-hook
+        or a prefetch usually did it), and nothing is gathered as a new use, resharded or
+        prefetched: the recomputed forward only rebuilds activations, and autograd sends its
+        gradients through the original use's gather."""
+        if self.needs_gather():
+            self.gather([p.sharded_param for p in self.params])
+        self._install_for_backward()
+
+    def _current_fulls(self) -> tuple:
+        """The gathered parameters as they are now (a parameter without a buffer is its own full
+        form)."""
+        return tuple(p.in_param_dtype(p.sharded_param) if b is None else b.tensor
+                     for p, b in zip(self.params, self._buffers))
+
+    def _install_for_backward(self) -> None:
+        if not self._installed():
+            self._install(self._current_fulls())
+            self._installed_for_backward = True
+
+    def _installed(self) -> bool:
+        return any(attr in cell.__dict__ for p in self.params for cell, attr in p.owners)
+
     def _post_forward(self, cell, inputs, outputs):
+        self._post_ran.add(id(cell))
+        if not replaying_forward():   # a recomputed forward keeps all for the backward under way
+            self._end_forward_module(cell)
+        dtype = self.mp_policy.output_dtype
+        if dtype is None:
+            return None
+        if isinstance(outputs, (tuple, list)):
+            return type(outputs)(_cast_floating(x, dtype) for x in outputs)
+        return _cast_floating(outputs, dtype)
+
+    def _end_forward_module(self, cell) -> None:
         self._forwarded.add(id(cell))
         if len(self._forwarded) == len(self.modules):      # every module of the unit has run
             self._forwarded.clear()
@@ -233,14 +273,54 @@ class HSDPUnitState:
                 self.uninstall()
             if self.params:
                 self.runtime.forward_ended(self)
-                if self.reshards_after_forward:
+                # a forward run inside backward (a reentrant recompute's inner forward) is
+                # followed at once by its own backward: keep the memory for it
+                # nor while a read from outside the unit awaits its backward (no backward
+                # pre-hook gathers for it)
+                if self.reshards_after_forward and not in_backward() and not self._outside_uses:
                     self.release_gathered()
-        dtype = self.mp_policy.output_dtype
-        if dtype is None:
+
+    def _after_forward_call(self, cell, inputs, outputs):
+        """Runs after every forward of one of the unit's modules, also one that raised (then
+        ``_post_forward`` did not run): a failed forward resets every unit of the process."""
+        if id(cell) in self._post_ran:
+            self._post_ran.discard(id(cell))
             return None
-        if isinstance(outputs, (tuple, list)):
-            return type(outputs)(_cast_floating(x, dtype) for x in outputs)
-        return _cast_floating(outputs, dtype)
+        if not in_backward():      # a recompute's early stop raises by design, inside backward
+            self.runtime.reset_after_failed_forward(cell)
+        return None
+
+    def read_outside(self, param: MindSporeHSDPParamV2) -> ms.Tensor:
+        """``param`` read by a cell while its unit is not running (a root computing with a
+        child's weight: a tie across units): the unit is gathered for this read as one more use
+        of it, so the read sees the full parameter and its gradient reaches this unit's reduce
+        (and ``main_grad``) through the use's own backward; the memory stays until then."""
+        index = self.params.index(param)
+        if replaying_forward():
+            self._prepare_recompute()
+            return self._current_fulls()[index]
+        fulls = self._gather.apply(*[p.sharded_param for p in self.params])
+        if not isinstance(fulls, (tuple, list)):
+            fulls = (fulls,)
+        if grad_recorded():
+            self.uses_awaiting_backward += 1
+            self._outside_uses += 1
+        return fulls[index]
+
+    def reset_after_failure(self) -> None:
+        """Back to rest after a forward that raised: no use awaits a backward, nothing is
+        installed or gathered, no prefetch is pending. Gradients already reduced or accumulated
+        (micro-steps before the failure) are kept."""
+        self._forwarded.clear()
+        self._post_ran.clear()
+        self._gathered = False
+        self._in_backward = False
+        self.uses_awaiting_backward = 0
+        self._outside_uses = 0
+        self._installed_for_backward = False
+        self.abandon_prefetch()
+        self.uninstall()
+        self.release_gathered()
 
     def _install(self, fulls) -> None:
         for param, full in zip(self.params, fulls):
@@ -330,12 +410,15 @@ class HSDPUnitState:
     # -- backward ---------------------------------------------------------------------------------
     def _pre_backward(self, cell, grad_output):
         """Before the unit's ops' backward: its parameters gathered again (released after
-        forward), then the next unit's gather launched. Once per backward for a list unit."""
+        forward) and installed (a recompute forward reads them), then the next unit's gather
+        launched (once per backward for a list unit)."""
+        self.runtime.backward_started(self)
+        if self.needs_gather():
+            self.gather([p.sharded_param for p in self.params])
+        self._install_for_backward()
         if self._in_backward:
             return None
         self._in_backward = True
-        if self.needs_gather():
-            self.gather([p.sharded_param for p in self.params])
         for unit in self._backward_prefetch_targets():
             unit.prefetch_for_backward()
         return None
@@ -354,7 +437,9 @@ class HSDPUnitState:
                     f"fully_shard unit {[type(m).__name__ for m in self.modules]}: its backward "
                     f"read a gathered parameter {buffer.shape} released after forward and not "
                     "gathered again (its backward pre-hook did not run)")
+        self.runtime.backward_started(self)
         self._in_backward = False
+        self.uses_awaiting_backward = max(0, self.uses_awaiting_backward - 1)
         grads = [g if g is not None else mint.zeros(p.orig_shape, dtype=p.param_dtype or p.orig_dtype)
                  for p, g in zip(self.params, grads)]
         self.finish_async_reduce()       # this unit's reduce of an earlier backward lands first
@@ -367,16 +452,28 @@ class HSDPUnitState:
         self.reduce(self.params, self.reduce_op)
         if self._holds_partials():
             out = self._keep_partials()
-        elif self.async_reduce and self.can_leave_reduce_in_flight:
+        elif self.async_reduce:
             out = self._leave_in_flight()
         elif self.mp_policy.apply_grad_on_fp32_main_grad:
             self._land_in_main_grad()
             out = self._zero_grads()
         else:
-            out = tuple(p.apply_reduced_grad(self._scaled(p.reduce_scatter_output()))
-                        for p in self.params)
+            out = self._owned_shard_grads()
         self._end_of_backward()
         return out
+
+    def _owned_shard_grads(self) -> tuple:
+        """The reduced shards as tensors autograd owns (pool memory never leaves the pool: a
+        view of an output bucket handed to autograd would be recycled by this unit's next
+        backward, e.g. a second use in the same forward, before autograd sums the uses); the
+        output buckets go back to the pool at once."""
+        try:
+            shards = [p.reduce_scatter_output() for p in self.params]   # fused: read all first
+            return tuple(p.apply_reduced_grad(self._scaled(shard))
+                         for p, shard in zip(self.params, shards))
+        finally:
+            for param in self.params:
+                param.clear_reduce_scatter_output()
 
     def _zero_grads(self) -> tuple:
         return tuple(self.runtime.shared_zeros(p.local_shape, p.orig_dtype) for p in self.params)
@@ -471,17 +568,31 @@ class HSDPUnitState:
         return mint.mul(reduced, self.gradient_scaling_factor)     # out of place: a new tensor
 
     def _end_of_backward(self) -> None:
+        """After one use's backward: the gathered memory goes once no recorded use of this unit
+        awaits its backward (another use's ops may still read it); the end of the backward pass
+        settles every unit either way (:meth:`settle_backward`)."""
+        if self.uses_awaiting_backward == 0:
+            self._outside_uses = 0
+            self._release_after_backward()
+        if self.is_root and not in_backward():
+            # called outside autograd (no final callback to queue): the root ends the step
+            self.runtime.end_backward_pass()
+
+    def _release_after_backward(self) -> None:
+        if self.reshard_after_backward or self._installed_for_backward:
+            self.uninstall()            # what unshard() or the backward pre-hook installed
+        self._installed_for_backward = False
         if self.reshard_after_backward:
-            self.uninstall()            # what unshard() installed goes with the backward
             self.release_gathered()
-        if self.is_root and self.is_last_backward:
-            # the root's backward ends the step: nothing of it may still be in flight, and a
-            # prefetched gather no forward used would hold parameters the optimizer changes
-            self.runtime.abandon_prefetches()
-            try:
-                self.runtime.finish_async_reduces()
-            finally:
-                self.reducer.pool.wait_all()
+
+    def settle_backward(self) -> None:
+        """The backward pass ended (autograd's final callback): uses that got no backward (an
+        output the loss ignored) no longer hold the unit's gathered memory."""
+        self._in_backward = False
+        self.uses_awaiting_backward = 0
+        self._outside_uses = 0
+        if not self._gathered:
+            self._release_after_backward()
 
     def reduce(self, params: list[MindSporeHSDPParamV2], op: str) -> None:
         """The unit's one reduce path: hand the gradients of ``params`` (and, for the whole unit,

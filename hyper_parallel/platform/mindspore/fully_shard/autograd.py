@@ -1,0 +1,42 @@
+"""What a ``fully_shard`` unit asks MindSpore's PyNative autograd (2.10), in one place.
+
+* ``in_backward()``: autograd's engine is running. A cell's forward hook that fires then is a
+  **recompute forward**: MindSpore's non-reentrant recompute (``Cell.recompute(use_reentrant=
+  False)``, ``mindspore.recompute(fn, ..., use_reentrant=False)``, this package's
+  ``checkpoint``) re-runs the forward when backward unpacks the tensors it did not save.
+* ``grad_recorded()``: the forward being run is recorded for a backward (inside
+  ``value_and_grad``, not under ``no_grad``): only such a use of a unit will get a backward.
+* ``queue_end_of_backward(fn)``: ``fn`` runs once the running backward pass has computed every
+  gradient (PyTorch FSDP2 ends its step the same way, with autograd's final callback), whatever
+  the model's root holds and whichever units the loss used.
+"""
+from __future__ import annotations
+
+from mindspore.graph.api import _pynative_executor
+
+NOT_IN_BACKWARD = -1
+
+
+def backward_engine() -> int:
+    """The id of the autograd engine running now, ``NOT_IN_BACKWARD`` outside a backward."""
+    return _pynative_executor.get_current_autodiff_engine_id()
+
+
+def in_backward() -> bool:
+    return backward_engine() != NOT_IN_BACKWARD
+
+
+def grad_recorded() -> bool:
+    return bool(_pynative_executor.requires_grad())
+
+
+def queue_end_of_backward(fn) -> None:
+    """Run ``fn`` when the backward pass running now ends (call only inside a backward)."""
+    _pynative_executor.queue_backward_final_callback(fn)
+
+
+def replaying_forward() -> bool:
+    """A non-reentrant recompute re-runs a forward now: inside backward, under the saved-tensor
+    hook that collects the recomputed activations. (A reentrant recompute's inner forward runs
+    inside backward without it: a forward of its own, with its own nested backward.)"""
+    return in_backward() and bool(_pynative_executor.is_saved_tensor_hook_active())
