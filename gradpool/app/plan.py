@@ -16,10 +16,12 @@ root's drain), run against a bookkeeping-only model of :class:`gradpool.pool.Buc
 is reusable once its fence has completed; at ``max_buckets_in_flight`` fenced buckets of a dtype
 ``acquire`` first waits for the oldest). Why a replay and not a formula: buckets change roles
 between steps (an output bucket of step 1 serves an input in step 2) and the pool grows by
-running maxima, so only the sequence gives the high-water. The replay holds each unit's output
-buckets until the next step's ``zero_grad`` (the synchronous reduce); the asynchronous reduce of
-main_grad mode gives them back when the root's backward lands them, earlier, so for it the
-replay is an upper bound (tests/test_plan.py finds the tiny model within its 3 % tolerance). ``tests/test_plan.py`` checks it
+running maxima, so only the sequence gives the high-water. The synchronous reduce gives a unit's
+output buckets back in its own backward (added into ``main_grad``, or copied into gradients
+autograd owns: pool memory never leaves the pool); the replay holds the asynchronous reduce's
+outputs until the end of the step, and HSDP's all-reduced partial sums until the next
+``zero_grad``, where the real pool may give them back earlier, so for those the replay is an
+upper bound (tests/test_plan.py finds the tiny model within its 3 % tolerance). ``tests/test_plan.py`` checks it
 against the real pool's measured high-water on the tiny model, so a change to the pool's policy
 that this model does not follow fails a test.
 
@@ -273,8 +275,9 @@ class _StepReplay:
         self.hsdp = geo.replicas > 1
         micro = cfg.train.micro_steps
         every = cfg.fully_shard.all_reduce_every_micro_step
-        # main_grad mode: a unit's output buckets go back once added into main_grad, in its own
-        # backward (synchronous) or when the root's backward drains the reduces (asynchronous)
+        # a unit's output buckets go back in its own backward (synchronous: added into main_grad,
+        # or copied into tensors autograd owns) or when the root's backward drains the reduces
+        # (asynchronous, main_grad mode only)
         self.main_grad = cfg.fully_shard.apply_grad_on_fp32_main_grad
         self.async_reduce = self.main_grad and cfg.gradpool.async_reduce
         # set_requires_gradient_sync(last): micro-steps packed into the units' buckets, one reduce
@@ -352,8 +355,8 @@ class _StepReplay:
             if last:
                 self._all_reduce_partials(unit)
             return
-        if self.main_grad and not self.async_reduce:
-            for out in outs:                 # added into main_grad at once
+        if not self.async_reduce:
+            for out in outs:                 # added into main_grad, or copied for autograd, at once
                 self.pool.release(out)
             return
         self.outputs.extend(outs)
@@ -678,7 +681,7 @@ def format_plan(plan: MemoryPlan, source: str = "") -> str:
          f"{p.reduce_dtype}, " + (
              "given back once added into main_grad: none held after backward"
              if p.main_grad_bytes else
-             "until the next zero_grad (a recycled bucket may be larger)")),
+             "given back once copied into autograd's gradients")),
         ("  input buckets in flight, at most", pool.input_peak_bytes,
          f"bound {pool.max_buckets_in_flight}; largest input "
          f"{human(pool.largest_input_bytes)}; fences {pool.fences}"),

@@ -9,6 +9,12 @@
 * ``queue_end_of_backward(fn)``: ``fn`` runs once the running backward pass has computed every
   gradient (PyTorch FSDP2 ends its step the same way, with autograd's final callback), whatever
   the model's root holds and whichever units the loss used.
+* ``grad_graph_open()`` / ``discard_open_grad_graph()``: an exception raised inside
+  ``value_and_grad`` (in any net, sharded or not) leaves MindSpore's grad graph open: its
+  ``end_graph`` never runs and ``grad_flag()`` stays True after the call. Every later
+  ``value_and_grad`` then records inside the stale graph, which on 2 CPU ranks under blocking
+  launch changed a ``fully_shard`` model's loss and gradients (``docs/using-fully-shard.md``,
+  "A forward that raised"); MindSpore's own recovery after a failed compile is ``clear_res()``.
 """
 from __future__ import annotations
 
@@ -40,3 +46,13 @@ def replaying_forward() -> bool:
     hook that collects the recomputed activations. (A reentrant recompute's inner forward runs
     inside backward without it: a forward of its own, with its own nested backward.)"""
     return in_backward() and bool(_pynative_executor.is_saved_tensor_hook_active())
+
+
+def grad_graph_open() -> bool:
+    """A grad graph is being recorded (between ``value_and_grad``'s start and its end)."""
+    return bool(_pynative_executor.grad_flag())
+
+
+def discard_open_grad_graph() -> None:
+    """Drop PyNative's grad graphs and their state (what MindSpore does after a failed compile)."""
+    _pynative_executor.clear_res()

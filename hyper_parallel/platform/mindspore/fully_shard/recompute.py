@@ -20,10 +20,12 @@ logger = logging.getLogger(__name__)
 
 def non_reentrant_recompute(cell) -> bool:
     """Switch ``cell``'s reentrant ``recompute()`` to the non-reentrant one; True if it did."""
-    wrapper = cell.__dict__.get("_recompute_cell")
-    if not isinstance(wrapper, _RecomputeCell):
+    # a reentrant recompute is a Cell, so Cell.__setattr__ keeps it among the child cells
+    if not isinstance(cell._cells.get("_recompute_cell"), _RecomputeCell):   # pylint: disable=protected-access
         return False
-    cell.__dict__["_recompute_cell"] = recompute_generator(cell.construct, use_reentrant=False)
+    del cell._cells["_recompute_cell"]                                         # pylint: disable=protected-access
+    object.__setattr__(cell, "_recompute_cell",
+                       recompute_generator(cell.construct, use_reentrant=False))
     logger.info("fully_shard: %s.recompute() runs as MindSpore's non-reentrant recompute (a "
                 "reentrant one would not differentiate the gathered parameters)",
                 type(cell).__name__)

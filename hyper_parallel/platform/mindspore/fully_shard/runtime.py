@@ -21,6 +21,8 @@ from mindspore import mint
 
 from gradpool import device_target, return_free_host_memory
 from hyper_parallel.platform.mindspore.fully_shard.autograd import (backward_engine,
+                                                                     discard_open_grad_graph,
+                                                                     grad_graph_open,
                                                                      in_backward,
                                                                      queue_end_of_backward)
 from hyper_parallel.platform.mindspore.fully_shard.recompute import non_reentrant_recompute
@@ -136,6 +138,20 @@ class FullyShardRuntime:
         self.forward_order = []
         for unit in self.live_units():
             unit.reset_after_failure()
+
+    def close_abandoned_grad_graph(self) -> bool:
+        """Between steps (``zero_grad``), a grad graph still open is one an exception left behind
+        inside ``value_and_grad`` (see :mod:`.autograd`): no unit is in a forward or backward and
+        autograd runs no backward, yet MindSpore records. It is discarded, so the next step
+        records a graph of its own. True when one was."""
+        if in_backward() or not grad_graph_open():
+            return False
+        if any(unit.in_forward or unit.in_backward_use for unit in self.live_units()):
+            return False
+        logger.warning("fully_shard: a gradient computation that raised left MindSpore's grad "
+                       "graph open; it is discarded before the next step")
+        discard_open_grad_graph()
+        return True
 
     # -- activation recompute ---------------------------------------------------------------------
     def check_recompute_cells(self, unit) -> None:

@@ -183,6 +183,11 @@ class HSDPUnitState:
         return self._gathered
 
     @property
+    def in_backward_use(self) -> bool:
+        """This unit's backward pre-hook ran and its backward has not."""
+        return self._in_backward
+
+    @property
     def reshards_after_forward(self) -> bool:
         """This unit frees its gathered parameters when its forward ends (a root keeps them:
         its backward follows at once)."""
@@ -680,7 +685,9 @@ class HSDPUnitState:
 
     def zero_grad(self) -> None:
         """Drop this unit's gradients; reduces still in flight (any unit's, in launch order) are
-        waited first, so none lands after the zeroing or is lost in flight."""
+        waited first, so none lands after the zeroing or is lost in flight. A grad graph an
+        exception left open is closed here, between steps."""
+        self.runtime.close_abandoned_grad_graph()
         try:
             self.runtime.finish_async_reduces()
         finally:

@@ -1,0 +1,303 @@
+"""Training code as users write it, under fully_shard, against the same model unsharded
+(tests/test_patterns_distributed.py at 2 ranks; tests/test_patterns.py runs them at world size
+1 in-process).
+
+The model: a root (its own head) over three units, ``embed`` (5 -> 7), ``a`` and ``b`` (7 -> 7),
+every dimension odd so at 2 ranks each parameter's dim 0 needs padding (uneven shards: where the
+bugs of this file showed). Every case trains STEPS steps of plain SGD on each rank's rows of a
+global batch and, per step, compares each rank's shard gradient (returned by ``value_and_grad``
+in plain mode, ``main_grad`` in main_grad mode) with its chunk of the unsharded model's gradient
+of the mean loss over the global batch, in three modes: plain (synchronous), main_grad with the
+asynchronous reduce (the default), main_grad synchronous. Every run has ``poison_on_release``
+on (a read of recycled or released memory turns values NaN) and ``verify_gradients``.
+
+Tolerance: the sharded run averages per-rank means; the reference takes one mean over the whole
+batch: the same sums in another order, float32. ``GRAD_TOL`` is relative to the tensor's largest
+magnitude (measured below 3e-7 for these models).
+"""
+from __future__ import annotations
+
+import gc
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, mint, nn, ops
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # tests/: npref
+
+from gradpool import GradPoolConfig, runtime_for
+from harness import Suite, allclose, equal, wrapped_communicators
+from hyper_parallel import fully_shard
+from hyper_parallel.core.activation_checkpoint import checkpoint, checkpoint_wrapper
+from hyper_parallel.core.fully_shard import MixedPrecisionPolicy
+from npref import np_chunk
+
+suite = Suite("patterns", blocking_launch=True)
+STEPS = 3
+ROWS = 4                 # per rank
+LR = 0.3
+GRAD_TOL = 2e-6
+MODES = ("plain", "main_async", "main_sync")
+FAIL = {"where": None}   # where the next forward raises: "a", "root", "loss" or None
+
+
+class Lin(nn.Cell):
+    def __init__(self, rng, fan_in: int, fan_out: int, tag: str, frozen_bias: bool = False):
+        super().__init__()
+        self.tag = tag
+        self.w = Parameter(ms.Tensor((rng.standard_normal((fan_out, fan_in)) * .5)
+                                     .astype(np.float32)), name=f"{tag}.w")
+        self.b = Parameter(ms.Tensor((rng.standard_normal(fan_out) * .5).astype(np.float32)),
+                           name=f"{tag}.b", requires_grad=not frozen_bias)
+
+    def construct(self, x):
+        if FAIL["where"] == self.tag:
+            raise RuntimeError(f"injected failure in {self.tag}")
+        return mint.tanh(mint.matmul(x, self.w.T) + self.b)
+
+
+class Net(nn.Cell):
+    """``pattern`` picks the forward (see each case)."""
+
+    def __init__(self, pattern: str = "plain", frozen_bias: bool = False):
+        super().__init__()
+        rng = np.random.default_rng(7)
+        self.pattern = pattern
+        self.skip_b = False
+        self.embed = Lin(rng, 5, 7, "embed")
+        self.a = Lin(rng, 7, 7, "a", frozen_bias=frozen_bias)
+        self.b = Lin(rng, 7, 7, "b")
+        self.head = Lin(rng, 7, 3, "head")
+
+    def construct(self, x):
+        h = self.embed(x)
+        if self.pattern == "twice":
+            h = self.a(self.a(h))
+        elif self.pattern == "recompute_fn":
+            h = ms.recompute(self.a, h, use_reentrant=False)
+        elif self.pattern == "checkpoint":
+            h = checkpoint(self.a, h)
+        else:
+            h = self.a(h)
+        if FAIL["where"] == "root":
+            raise RuntimeError("injected failure in the root, between units")
+        if not self.skip_b:
+            h = self.b(h)
+        if self.pattern == "tie":       # the root computes with a's weight, outside a's unit
+            h = mint.tanh(mint.matmul(h, self.a.w))
+        return self.head(h)
+
+
+def loss_of(model, x):
+    out = model(x)
+    if FAIL["where"] == "loss":
+        raise RuntimeError("injected failure in the loss, after the model")
+    return (out * out).mean()
+
+
+@dataclass
+class Run:
+    """How one case builds and drives its two models."""
+
+    pattern: str = "plain"
+    mode: str = "plain"
+    recompute: str = ""            # "", "before", "after", "after_nonreentrant", "wrapper"
+    frozen_bias: bool = False
+    skip_b_at: tuple = ()          # steps whose forward skips unit b
+    seq_lens: tuple = ()           # per step: rows per rank (dynamic shapes); () = ROWS
+    fail_before: tuple = ()        # failures injected (caught) before step 0
+    reshard: bool = True
+    extra: dict = field(default_factory=dict)
+
+
+def _build(run: Run, world: int):
+    model = Net(run.pattern, run.frozen_bias)
+    if run.recompute == "before":
+        model.a.recompute()
+    mp = MixedPrecisionPolicy(apply_grad_on_fp32_main_grad=run.mode != "plain")
+    config = GradPoolConfig(poison_on_release=True, verify_gradients=True,
+                            async_reduce=run.mode == "main_async")
+    for name in ("embed", "a", "b"):
+        fully_shard(getattr(model, name), mp_policy=mp, pool_config=config,
+                    reshard_after_forward=run.reshard)
+    fully_shard(model, mp_policy=mp, pool_config=config, reshard_after_forward=run.reshard)
+    if run.recompute == "after":
+        model.a.recompute()
+    elif run.recompute == "after_nonreentrant":
+        model.a.recompute(use_reentrant=False)
+    elif run.recompute == "wrapper":
+        model.a = checkpoint_wrapper(model.a)
+    return model, config
+
+
+def _reference(run: Run):
+    ref = Net(run.pattern, run.frozen_bias)
+    if run.recompute:
+        ref.a.recompute(use_reentrant=False)
+    return ref
+
+
+def _batch(step: int, rank: int, world: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    x = np.random.default_rng(100 + step).standard_normal((rows * world, 5)).astype(np.float32)
+    return x[rank * rows:(rank + 1) * rows], x
+
+
+def _sgd(params, grads) -> None:
+    for param, grad in zip(params, grads):
+        ops.assign(param, param - LR * grad)
+
+
+def _inject_failures(model, run: Run, rank: int, world: int) -> dict:
+    checks = {}
+    grad_fn = ms.value_and_grad(lambda x: loss_of(model, x), None, model.trainable_params())
+    local, _ = _batch(99, rank, world, ROWS)
+    for where in run.fail_before:
+        FAIL["where"] = where
+        try:
+            grad_fn(ms.Tensor(local))
+            checks[f"failure in {where} raised"] = equal("no exception", "RuntimeError")
+        except RuntimeError as exc:
+            checks[f"failure in {where} raised"] = equal("injected failure" in str(exc), True)
+        finally:
+            FAIL["where"] = None
+        model.zero_grad()
+    return checks
+
+
+def train_and_compare(ctx, run: Run) -> dict:
+    rank, world = ctx.rank, ctx.world_size
+    model, config = _build(run, world)
+    ref = _reference(run)
+    params = model.trainable_params()
+    ref_params = ref.trainable_params()
+    checks = _inject_failures(model, run, rank, world)
+    grad_fn = ms.value_and_grad(lambda x: loss_of(model, x), None, params)
+    ref_fn = ms.value_and_grad(lambda x: loss_of(ref, x), None, ref_params)
+    for step in range(STEPS):
+        rows = run.seq_lens[step] if run.seq_lens else ROWS
+        local, whole = _batch(step, rank, world, rows)
+        model.skip_b = ref.skip_b = step in run.skip_b_at
+        model.zero_grad()
+        _, grads = grad_fn(ms.Tensor(local))
+        _, ref_grads = ref_fn(ms.Tensor(whole))
+        got = [p.main_grad for p in params] if run.mode != "plain" else list(grads)
+        for param, g, want in zip(params, got, ref_grads):
+            managed = param.hsdp_param
+            want = np.asarray(want.asnumpy(), np.float32)
+            expected = want if managed.replicate else np_chunk(want, managed.shard_dim, rank,
+                                                               managed.world_size)
+            scale = float(np.abs(want).max(initial=0.0)) or 1.0
+            checks[f"step {step} {param.name}"] = allclose(g, expected, rtol=0.0,
+                                                           atol=GRAD_TOL * scale)
+        _sgd(params, got)
+        _sgd(ref_params, ref_grads)
+    pool = runtime_for(config).pool
+    model.zero_grad()
+    checks["no lease held after the steps"] = equal(pool.stats().live_leases, 0)
+    return checks
+
+
+def _add(name: str, run: Run, modes=MODES) -> None:
+    for mode in modes:
+        def case(ctx, run=run, mode=mode):
+            run = Run(**{**run.__dict__, "mode": mode})
+            return train_and_compare(ctx, run)
+        suite.add(f"{name}_{mode}", case)
+
+
+_add("plain_model", Run())
+_add("unit_applied_twice", Run(pattern="twice"))
+_add("unit_applied_twice_kept_gathered", Run(pattern="twice", reshard=False), ("plain",))
+_add("recompute_before_fully_shard", Run(recompute="before"))
+_add("recompute_after_fully_shard", Run(recompute="after"))
+_add("recompute_non_reentrant", Run(recompute="after_nonreentrant"))
+_add("recompute_functional", Run(pattern="recompute_fn"))
+_add("recompute_checkpoint", Run(pattern="checkpoint"))
+_add("recompute_checkpoint_wrapper", Run(recompute="wrapper"))
+_add("forward_raised_in_a_unit_root_and_loss", Run(fail_before=("a", "root", "loss")))
+_add("unit_skipped_in_a_step", Run(skip_b_at=(1,)))
+_add("weight_read_outside_its_unit", Run(pattern="tie"))
+_add("dynamic_rows_and_a_frozen_parameter", Run(frozen_bias=True, seq_lens=(4, 2, 3)))
+
+
+@suite.case
+def pool_memory_never_reaches_autograd(ctx) -> dict:
+    """Plain mode: the shard gradients value_and_grad returns share no byte with any pool
+    allocation (they are autograd's own memory), for a unit used twice."""
+    model, config = _build(Run(pattern="twice"), ctx.world_size)
+    local, _ = _batch(0, ctx.rank, ctx.world_size, ROWS)
+    _, grads = ms.value_and_grad(lambda x: loss_of(model, x), None,
+                                 model.trainable_params())(ms.Tensor(local))
+    pool = runtime_for(config).pool
+    spans = [(b.tensor.untyped_storage().data_ptr(), b.nbytes)
+             for b in pool._buckets]                      # pylint: disable=protected-access
+    overlaps = []
+    for param, grad in zip(model.trainable_params(), grads):
+        start, size = grad.untyped_storage().data_ptr(), grad.untyped_storage().nbytes()
+        overlaps += [param.name for s, n in spans if start < s + n and s < start + size]
+    return {"buckets exist": equal(len(spans) > 0, True),
+            "returned gradients overlapping a pool bucket": equal(overlaps, [])}
+
+
+@suite.case
+def recompute_gathers_no_more(ctx) -> dict:
+    """A step with recompute all-gathers exactly as often as one without (the recomputed
+    forward reads what the backward gathered)."""
+    counts = {}
+    for recompute in ("", "after", "wrapper"):
+        calls = []
+
+        def count(inner, calls=calls):
+            original = inner.all_gather
+
+            def all_gather(*args, **kwargs):
+                calls.append(1)
+                return original(*args, **kwargs)
+            inner.all_gather = all_gather
+            return inner
+        with wrapped_communicators(count):
+            model, _ = _build(Run(recompute=recompute, mode="main_async"), ctx.world_size)
+            grad_fn = ms.value_and_grad(lambda x: loss_of(model, x), None,
+                                        model.trainable_params())
+            local, _ = _batch(0, ctx.rank, ctx.world_size, ROWS)
+            grad_fn(ms.Tensor(local))
+            calls.clear()
+            grad_fn(ms.Tensor(local))
+            counts[recompute or "none"] = len(calls)
+    return {"all-gathers per step": equal(counts, {k: counts["none"] for k in counts}),
+            "some all-gathers": equal(counts["none"] > 0, ctx.world_size > 1)}
+
+
+@suite.case
+def dropped_models_return_their_leases(ctx) -> dict:
+    """Build, train and drop 4 models per mode in one process, collector off: no lease stays
+    live, and the pool's reserved bytes stop growing after the first model (its buckets are
+    reused, not leaked)."""
+    checks = {}
+    gc.disable()
+    try:
+        for mode in ("plain", "main_async"):
+            reserved = []
+            for index in range(4):
+                model, config = _build(Run(mode=mode), ctx.world_size)
+                local, _ = _batch(index, ctx.rank, ctx.world_size, ROWS)
+                ms.value_and_grad(lambda x, m=model: loss_of(m, x), None,
+                                  model.trainable_params())(ms.Tensor(local))
+                stats = runtime_for(config).pool.stats()
+                checks[f"{mode} model {index}: live leases after its step"] = equal(
+                    stats.live_leases, 0)
+                reserved.append(stats.bytes_reserved)
+                del model
+            checks[f"{mode}: reserved bytes do not grow per model"] = equal(
+                reserved[1:], [reserved[0]] * 3)
+    finally:
+        gc.enable()
+    return checks
+
+
+if __name__ == "__main__":
+    ms.set_device("CPU")
+    suite.main()
