@@ -12,3 +12,8 @@ pytestmark = pytest.mark.distributed
 
 class TestPatternsOn2Ranks(SuiteTests):
     SCRIPT, NPROC, TIMEOUT, BLOCKING = "pattern_cases.py", 2, 1200, True
+
+
+class TestPatternsOn4Ranks(SuiteTests):
+    """FSDP 4 and HSDP (2, 2): tests/distributed/pattern_cases_4.py."""
+    SCRIPT, NPROC, TIMEOUT, BLOCKING = "pattern_cases_4.py", 4, 1200, True

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # tests/: npre
 
 from gradpool import GradPoolConfig, runtime_for
 from harness import Suite, allclose, equal, wrapped_communicators
-from hyper_parallel import fully_shard
+from hyper_parallel import fully_shard, init_device_mesh
 from hyper_parallel.core.activation_checkpoint import checkpoint, checkpoint_wrapper
 from hyper_parallel.core.fully_shard import MixedPrecisionPolicy
 from npref import np_chunk
@@ -110,6 +110,7 @@ class Run:
     seq_lens: tuple = ()           # per step: rows per rank (dynamic shapes); () = ROWS
     fail_before: tuple = ()        # failures injected (caught) before step 0
     reshard: bool = True
+    mesh: tuple = ()               # () = every rank in one shard group; (2, 2) = HSDP
     extra: dict = field(default_factory=dict)
 
 
@@ -120,10 +121,14 @@ def _build(run: Run, world: int):
     mp = MixedPrecisionPolicy(apply_grad_on_fp32_main_grad=run.mode != "plain")
     config = GradPoolConfig(poison_on_release=True, verify_gradients=True,
                             async_reduce=run.mode == "main_async")
+    mesh = {}
+    if run.mesh:
+        mesh["mesh"] = init_device_mesh("cpu", run.mesh, mesh_dim_names=("dp_replicate", "fsdp"))
     for name in ("embed", "a", "b"):
         fully_shard(getattr(model, name), mp_policy=mp, pool_config=config,
-                    reshard_after_forward=run.reshard)
-    fully_shard(model, mp_policy=mp, pool_config=config, reshard_after_forward=run.reshard)
+                    reshard_after_forward=run.reshard, **mesh)
+    fully_shard(model, mp_policy=mp, pool_config=config, reshard_after_forward=run.reshard,
+                **mesh)
     if run.recompute == "after":
         model.a.recompute()
     elif run.recompute == "after_nonreentrant":
@@ -187,8 +192,8 @@ def train_and_compare(ctx, run: Run) -> dict:
         for param, g, want in zip(params, got, ref_grads):
             managed = param.hsdp_param
             want = np.asarray(want.asnumpy(), np.float32)
-            expected = want if managed.replicate else np_chunk(want, managed.shard_dim, rank,
-                                                               managed.world_size)
+            expected = want if managed.replicate else np_chunk(want, managed.shard_dim,
+                                                               managed.rank, managed.world_size)
             scale = float(np.abs(want).max(initial=0.0)) or 1.0
             checks[f"step {step} {param.name}"] = allclose(g, expected, rtol=0.0,
                                                            atol=GRAD_TOL * scale)
@@ -200,12 +205,16 @@ def train_and_compare(ctx, run: Run) -> dict:
     return checks
 
 
-def _add(name: str, run: Run, modes=MODES) -> None:
+def add_cases(into: Suite, name: str, run: Run, modes=MODES) -> None:
     for mode in modes:
         def case(ctx, run=run, mode=mode):
             run = Run(**{**run.__dict__, "mode": mode})
             return train_and_compare(ctx, run)
-        suite.add(f"{name}_{mode}", case)
+        into.add(f"{name}_{mode}", case)
+
+
+def _add(name: str, run: Run, modes=MODES) -> None:
+    add_cases(suite, name, run, modes)
 
 
 _add("plain_model", Run())
