@@ -27,8 +27,9 @@ if TYPE_CHECKING:
                                  ForeignLeaseError, GradientIntegrityError, GradPoolError,
                                  InvalidArgumentError, InvalidFenceError, LayoutMismatchError,
                                  LeaseStateError, NonFiniteNormError, PoolCapacityError,
-                                 StateMismatchError, UnsupportedDtypeError, check_bool,
-                                 check_int, check_positive_number)
+                                 StateMismatchError, UnsupportedDtypeError,
+                                 UnsupportedPatternError, check_bool, check_int,
+                                 check_positive_number)
     from gradpool.gathered import GatheredParam, GatheredStats
     from gradpool.layout import GradSlot, ReduceScatterLayout, fusion_groups
     from gradpool.pack import Written, chunk_rows, flat_view, local_shard, shard_views, unshard

@@ -56,6 +56,11 @@ class CheckpointError(GradPoolError, RuntimeError):
     message names the file), or a save that failed on some rank."""
 
 
+class UnsupportedPatternError(GradPoolError, RuntimeError):
+    """Training code uses a unit in a way ``fully_shard`` cannot keep exact (the message names the
+    cell and what to use instead)."""
+
+
 class StateMismatchError(GradPoolError, ValueError):
     """A state dict or checkpoint does not fit the model or optimizer it is loaded into: a key
     missing or unexpected, another shape or dtype (the message names the first bad key)."""

@@ -28,8 +28,8 @@ from mindspore import Parameter, mint, nn, ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # tests/: npref
 
-from gradpool import GradPoolConfig, runtime_for
-from harness import Suite, allclose, equal, wrapped_communicators
+from gradpool import GradPoolConfig, UnsupportedPatternError, runtime_for
+from harness import Suite, allclose, equal, raises, wrapped_communicators
 from hyper_parallel import fully_shard, init_device_mesh
 from hyper_parallel.core.activation_checkpoint import checkpoint, checkpoint_wrapper
 from hyper_parallel.core.fully_shard import MixedPrecisionPolicy
@@ -78,6 +78,8 @@ class Net(nn.Cell):
             h = self.a(self.a(h))
         elif self.pattern == "recompute_fn":
             h = ms.recompute(self.a, h, use_reentrant=False)
+        elif self.pattern == "recompute_fn_reentrant":    # MindSpore's default: refused
+            h = ms.recompute(self.a, h)
         elif self.pattern == "checkpoint":
             h = checkpoint(self.a, h)
         else:
@@ -108,7 +110,8 @@ class Run:
     frozen_bias: bool = False
     skip_b_at: tuple = ()          # steps whose forward skips unit b
     seq_lens: tuple = ()           # per step: rows per rank (dynamic shapes); () = ROWS
-    fail_before: tuple = ()        # failures injected (caught) before step 0
+    fail_before: tuple = ()        # failures injected (caught) before step 0: where a forward
+    #                                raises, or "reentrant_recompute" (a refused backward)
     reshard: bool = True
     mesh: tuple = ()               # () = every rank in one shard group; (2, 2) = HSDP
     extra: dict = field(default_factory=dict)
@@ -160,6 +163,14 @@ def _inject_failures(model, run: Run, rank: int, world: int) -> dict:
     grad_fn = ms.value_and_grad(lambda x: loss_of(model, x), None, model.trainable_params())
     local, _ = _batch(99, rank, world, ROWS)
     for where in run.fail_before:
+        if where == "reentrant_recompute":
+            model.pattern = "recompute_fn_reentrant"
+            checks["reentrant recompute refused"] = raises(
+                UnsupportedPatternError, lambda: grad_fn(ms.Tensor(local)), "Lin",
+                "use_reentrant=False")
+            model.pattern = run.pattern
+            model.zero_grad()
+            continue
         FAIL["where"] = where
         try:
             grad_fn(ms.Tensor(local))
@@ -227,6 +238,7 @@ _add("recompute_functional", Run(pattern="recompute_fn"))
 _add("recompute_checkpoint", Run(pattern="checkpoint"))
 _add("recompute_checkpoint_wrapper", Run(recompute="wrapper"))
 _add("forward_raised_in_a_unit_root_and_loss", Run(fail_before=("a", "root", "loss")))
+_add("reentrant_functional_recompute_refused", Run(fail_before=("reentrant_recompute",)))
 _add("unit_skipped_in_a_step", Run(skip_b_at=(1,)))
 _add("weight_read_outside_its_unit", Run(pattern="tie"))
 _add("dynamic_rows_and_a_frozen_parameter", Run(frozen_bias=True, seq_lens=(4, 2, 3)))

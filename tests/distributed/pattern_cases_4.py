@@ -27,8 +27,8 @@ for mesh, tag in (((), "fsdp4"), ((2, 2), "hsdp")):
     add_cases(suite, f"{tag}_recompute_checkpoint_wrapper", Run(recompute="wrapper", mesh=mesh),
               ("plain",))
     add_cases(suite, f"{tag}_unit_applied_twice", Run(pattern="twice", mesh=mesh), MODES)
-    add_cases(suite, f"{tag}_forward_raised", Run(fail_before=("a", "loss"), mesh=mesh),
-              ("main_async",))
+    add_cases(suite, f"{tag}_forward_raised_and_reentrant_recompute_refused",
+              Run(fail_before=("a", "loss", "reentrant_recompute"), mesh=mesh), ("main_async",))
 
 
 if __name__ == "__main__":

@@ -104,12 +104,19 @@ class FullyShardRuntime:
             queue_end_of_backward(self.end_backward_pass)
 
     def forward_started(self) -> None:
-        """A forward outside backward: a backward pass still recorded as running raised before
-        its end (autograd runs no final callback then); its units are settled now."""
-        if self.backward_pass is not None:
-            self.backward_pass, self.backward_units = None, {}
-            for unit in self.live_units():
-                unit.settle_backward()
+        """A forward outside backward (or ``zero_grad``): a backward pass still recorded as
+        running raised before its end (autograd runs no final callback then, e.g. a refused
+        recompute); every unit goes back to rest now, as after a forward that raised (a unit
+        may hold a prefetch that backward launched, or its backward's gathered parameters)."""
+        if self.backward_pass is None or in_backward():
+            return
+        logger.warning("fully_shard: the last backward raised before its end; every unit's "
+                       "gathered parameters and per-step state are reset")
+        self.backward_pass, self.backward_units = None, {}
+        self.forward_order = []
+        for unit in self.live_units():
+            unit.reset_after_failure()
+        self.restore_cell_grad_flags()
 
     def end_backward_pass(self) -> None:
         """Every gradient of the pass is computed. Unless a unit that ran is told more
@@ -138,12 +145,14 @@ class FullyShardRuntime:
         self.forward_order = []
         for unit in self.live_units():
             unit.reset_after_failure()
+        self.restore_cell_grad_flags()
 
     def close_abandoned_grad_graph(self) -> bool:
         """Between steps (``zero_grad``), a grad graph still open is one an exception left behind
         inside ``value_and_grad`` (see :mod:`.autograd`): no unit is in a forward or backward and
         autograd runs no backward, yet MindSpore records. It is discarded, so the next step
         records a graph of its own. True when one was."""
+        self.forward_started()
         if in_backward() or not grad_graph_open():
             return False
         if any(unit.in_forward or unit.in_backward_use for unit in self.live_units()):
@@ -152,6 +161,21 @@ class FullyShardRuntime:
                        "graph open; it is discarded before the next step")
         discard_open_grad_graph()
         return True
+
+    def restore_cell_grad_flags(self) -> None:
+        """MindSpore's grad of a cell (the reentrant recompute's nested grad among them) sets the
+        cell's ``requires_grad`` for the call and restores it only when the call returns: a
+        forward that raises leaves it True, and every later call of that cell under a grad then
+        records a nested graph of its own, which gave wrong gradients to the next step (an
+        unsharded net shows it too). Cells inside the units go back to False (a root module
+        keeps its flag: ``set_grad()`` is set there)."""
+        units = self.live_units()
+        roots = {id(module) for unit in units if unit.is_root for module in unit.modules}
+        for unit in units:
+            for module in unit.modules:
+                for _, cell in module.cells_and_names():
+                    if id(cell) not in roots and cell.requires_grad:
+                        cell.requires_grad = False
 
     # -- activation recompute ---------------------------------------------------------------------
     def check_recompute_cells(self, unit) -> None:

@@ -46,7 +46,7 @@ from mindspore import mint
 from mindspore.common._grad_function import _Function
 
 from gradpool import (SUPPORTED_DTYPES, GatheredParam, GradReducer, LeaseStateError,
-                      PackedBucket, check_reduce_op)
+                      PackedBucket, UnsupportedPatternError, check_reduce_op)
 from hyper_parallel.platform.mindspore.fully_shard.autograd import (grad_recorded, in_backward,
                                                                      replaying_forward)
 from hyper_parallel.platform.mindspore.fully_shard.param import (MindSporeHSDPParamV2,
@@ -207,6 +207,8 @@ class HSDPUnitState:
         self.runtime.free_replaced_parameters()
         if replaying_forward():
             self._prepare_recompute()
+        elif in_backward():
+            self._refuse_reentrant_recompute(cell)
         elif not self._gathered:
             self._begin_forward_use()
         dtype = self.mp_policy.param_dtype
@@ -233,6 +235,20 @@ class HSDPUnitState:
             self.uses_awaiting_backward += 1
         for unit in self.forward_prefetch:
             unit.prefetch()
+
+    def _refuse_reentrant_recompute(self, cell) -> None:
+        """A forward inside backward that is not a non-reentrant replay: MindSpore's reentrant
+        recompute (``mindspore.recompute(cell, ...)`` with its default ``use_reentrant=True``, or
+        ``Cell.recompute()`` on a cell around this unit) re-running the cell under a nested grad
+        of that cell's own Parameters, the local shards: the gathered parameters the cell
+        computes with would get no gradient."""
+        self.runtime.restore_cell_grad_flags()
+        raise UnsupportedPatternError(
+            f"fully_shard: {type(cell).__name__} (a module of the unit "
+            f"{[type(m).__name__ for m in self.modules]}) was run again inside backward by "
+            "MindSpore's reentrant recompute, whose nested grad cannot reach the parameters the "
+            "unit gathers; use mindspore.recompute(..., use_reentrant=False), Cell.recompute() "
+            "on a cell inside the unit, or hyper_parallel.core.activation_checkpoint.checkpoint")
 
     def _prepare_recompute(self) -> None:
         """A forward run inside backward (activation recompute): the cells read the gathered
