@@ -114,6 +114,7 @@ class Run:
     #                                raises, or "reentrant_recompute" (a refused backward)
     reshard: bool = True
     mesh: tuple = ()               # () = every rank in one shard group; (2, 2) = HSDP
+    forward_prefetch: bool = False  # embed prefetches a, a prefetches b (explicit)
     extra: dict = field(default_factory=dict)
 
 
@@ -132,6 +133,9 @@ def _build(run: Run, world: int):
                     reshard_after_forward=run.reshard, **mesh)
     fully_shard(model, mp_policy=mp, pool_config=config, reshard_after_forward=run.reshard,
                 **mesh)
+    if run.forward_prefetch:
+        model.embed.set_modules_to_forward_prefetch([model.a])
+        model.a.set_modules_to_forward_prefetch([model.b])
     if run.recompute == "after":
         model.a.recompute()
     elif run.recompute == "after_nonreentrant":
@@ -192,6 +196,8 @@ def train_and_compare(ctx, run: Run) -> dict:
     checks = _inject_failures(model, run, rank, world)
     grad_fn = ms.value_and_grad(lambda x: loss_of(model, x), None, params)
     ref_fn = ms.value_and_grad(lambda x: loss_of(ref, x), None, ref_params)
+    pool = runtime_for(config).pool
+    reserved = []
     for step in range(STEPS):
         rows = run.seq_lens[step] if run.seq_lens else ROWS
         local, whole = _batch(step, rank, world, rows)
@@ -210,9 +216,14 @@ def train_and_compare(ctx, run: Run) -> dict:
                                                            atol=GRAD_TOL * scale)
         _sgd(params, got)
         _sgd(ref_params, ref_grads)
-    pool = runtime_for(config).pool
+        reserved.append(pool.stats().bytes_reserved)
     model.zero_grad()
     checks["no lease held after the steps"] = equal(pool.stats().live_leases, 0)
+    # buckets are reserved in the first step and reused (shapes, skipped units, uses vary)
+    checks["pool reserved nothing after step 0"] = equal(reserved, reserved[:1] * STEPS)
+    if run.frozen_bias:     # a frozen parameter stays whole and outside the reduce path
+        checks["frozen parameter not managed"] = equal(
+            (hasattr(model.a.b, "hsdp_param"), tuple(model.a.b.shape)), (False, (7,)))
     return checks
 
 
@@ -231,6 +242,7 @@ def _add(name: str, run: Run, modes=MODES) -> None:
 _add("plain_model", Run())
 _add("unit_applied_twice", Run(pattern="twice"))
 _add("unit_applied_twice_kept_gathered", Run(pattern="twice", reshard=False), ("plain",))
+_add("unit_applied_twice_forward_prefetch", Run(pattern="twice", forward_prefetch=True))
 _add("recompute_before_fully_shard", Run(recompute="before"))
 _add("recompute_after_fully_shard", Run(recompute="after"))
 _add("recompute_non_reentrant", Run(recompute="after_nonreentrant"))
