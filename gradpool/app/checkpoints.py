@@ -71,12 +71,16 @@ class CheckpointInfo:
     bytes: int              # every rank file together
 
 
-def read_checkpoint(path) -> CheckpointInfo:
-    """The index of the checkpoint in ``path``; :class:`CheckpointError` naming the file when
-    there is none or it cannot be read."""
+def read_checkpoint(path, checksums: bool = False) -> CheckpointInfo:
+    """The index of the checkpoint in ``path``, after checking every rank file against it (its
+    size and save id, each piece's dtype, shape and extent: headers only, cheap; with
+    ``checksums`` every piece's bytes too); :class:`CheckpointError` naming the file (and the
+    tensor) when there is none or one fails. Without ``checksums`` a flipped byte is found by
+    the ranks' own load, which verifies checksums."""
     from hyper_parallel.checkpoint import files
     root = Path(path)
     index = files.read_index(root)
+    files.verify_checkpoint(root, index, checksums=checksums)
     return CheckpointInfo(root, index.step, index.extra, index.world_size,
                           sum(index.files.values()))
 

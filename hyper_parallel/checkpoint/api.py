@@ -2,16 +2,19 @@
 at any world size or mesh (see :mod:`hyper_parallel.checkpoint.files` for the files on disk).
 
 Every rank of the world calls :func:`save` and :func:`load` with the same path (a file system all
-ranks share). Saving runs three barriers (small all-reduces over the world): rank 0 prepares the
-generation directory, every rank writes its file, rank 0 reads the files' piece tables, checks
-that every tensor is covered exactly once and commits the index. A rank that fails makes every
-rank raise :class:`gradpool.CheckpointError`, and the previous checkpoint stays the loadable one.
+ranks share). Saving runs three barriers (small all-reduces over the world): rank 0 locks the
+directory (one writer at a time), reserves a new generation directory and draws the save's id,
+every rank writes its file, rank 0 reads the files' piece tables, checks that every tensor is
+covered exactly once and commits the index. A rank that fails makes every rank raise
+:class:`gradpool.CheckpointError`, and the previous checkpoint stays the loadable one.
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +25,7 @@ import numpy as np
 
 from gradpool import (CheckpointError, InvalidArgumentError, StateMismatchError,
                       communicator_for)
+from gradpool.errors import check_bool
 from hyper_parallel.checkpoint import files
 from hyper_parallel.core.dtensor.boxes import Box, check_cover, plan_reads
 from hyper_parallel.core.fully_shard.state_dict import (StateEntry, assemble, model_entries,
@@ -57,6 +61,24 @@ def _all_sum(comm, value: float) -> float:
     return float(buf.asnumpy()[0])
 
 
+def _from_rank0(comm, values: list[int]) -> list[int]:
+    """Rank 0's non-negative ``values`` (each below 2**64) on every rank, exactly: each travels as
+    four 16-bit limbs in a float32 all-reduce to which only rank 0 adds (float32 holds integers
+    exactly only below 2**24, so a generation, a byte count or a 64-bit id sent whole would not
+    arrive intact)."""
+    if comm.world_size == 1:
+        return list(values)
+    limbs = np.zeros(4 * len(values), np.float32)
+    if comm.rank == 0:
+        for i, value in enumerate(values):
+            for j in range(4):
+                limbs[4 * i + j] = (value >> (16 * j)) & 0xFFFF
+    buf = ms.Tensor(limbs)
+    comm.all_reduce(buf, op="sum").wait()
+    got = buf.asnumpy()
+    return [sum(int(got[4 * i + j]) << (16 * j) for j in range(4)) for i in range(len(values))]
+
+
 def _agree(comm, error: Optional[BaseException], what: str) -> None:
     """Every rank raises if any rank failed ``what`` (so none goes on to the next barrier)."""
     failed = _all_sum(comm, 0.0 if error is None else 1.0)
@@ -87,27 +109,58 @@ def _check_save_args(path, step, extra) -> Path:
 
 
 def save(path, model, optimizer=None, *, step: Optional[int] = None, extra: Any = None) -> SaveResult:
-    """Save ``model`` (and ``optimizer``'s states) to the directory ``path``; every rank calls it."""
+    """Save ``model`` (and ``optimizer``'s states) to the directory ``path``; every rank calls it.
+    A second writer saving into the same directory meanwhile gets a :class:`CheckpointError`
+    naming the holder of the directory's lock."""
     root = _check_save_args(path, step, extra)
     start = time.perf_counter()
     comm = communicator_for()
     entries = _entries(model, optimizer)
-    error = generation = None
-    if comm.rank == 0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            generation = files.latest_generation(root) + 1
-            target = files.generation_dir(root, generation)
-            shutil.rmtree(target, ignore_errors=True)
-            target.mkdir()
-        except OSError as exc:
-            error = exc
-    _agree(comm, error, f"preparing {root}")
-    generation = int(_all_sum(comm, float(generation or 0)))
+    lock = None
+    try:
+        error = generation = save_id = None
+        if comm.rank == 0:
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                save_id = files.new_save_id()
+                lock = files.DirectoryLock(root, f"pid {os.getpid()} on {socket.gethostname()}, "
+                                                 f"save {files.save_id_text(save_id)}")
+                lock.__enter__()
+                generation = files.reserve_generation(root)
+            except (OSError, CheckpointError) as exc:
+                error = exc
+        _agree(comm, error, f"preparing {root}")
+        generation, save_id = _from_rank0(comm, [generation or 0, save_id or 0])
+        save_id_text = files.save_id_text(save_id)
+        written = _write_own_file(comm, root, generation, save_id_text, entries)
+        total = committed = 0
+        if comm.rank == 0:
+            try:
+                index = _build_index(root, generation, comm.world_size, step, extra, save_id_text)
+                total = sum(index.files.values())
+                files.write_index(root, index)
+                committed = 1
+                files.remove_superseded(root, generation)
+            except Exception as exc:  # noqa: BLE001
+                error = exc
+                if not committed:       # ours alone (reserved under the lock): nothing names it
+                    shutil.rmtree(files.generation_dir(root, generation), ignore_errors=True)
+        _agree(comm, error, f"committing {root / files.INDEX}")
+        (total,) = _from_rank0(comm, [total])
+    finally:
+        if lock is not None:
+            lock.__exit__(None, None, None)
+    result = SaveResult(str(root), step, generation, written, total, time.perf_counter() - start)
+    logger.info("checkpoint saved to %s (generation %d, save %s): %d bytes on this rank, %d in "
+                "all, %.2f s", root, generation, save_id_text, written, total, result.seconds)
+    return result
 
+
+def _write_own_file(comm, root: Path, generation: int, save_id: str, entries) -> int:
+    """This rank's file of the save; every rank hears if any rank's write failed."""
     name = files.rank_file(generation, comm.rank)
     arrays, pieces = {}, {}
-    written = 0
+    written, error = 0, None
     try:
         for key, entry in entries:
             if entry.writes:
@@ -115,35 +168,21 @@ def save(path, model, optimizer=None, *, step: Optional[int] = None, extra: Any 
                 pieces[key] = {"shape": list(entry.global_shape), "dtype": entry.dtype,
                                "offsets": list(entry.box.offsets),
                                "lengths": list(entry.box.lengths)}
-        written = files.write_rank_file(root, name, arrays, pieces)
+        written = files.write_rank_file(root, name, arrays, pieces, save_id)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it
         error = exc
     _agree(comm, error, f"writing {root / name}")
-
-    total = 0
-    if comm.rank == 0:
-        try:
-            index = _build_index(root, generation, comm.world_size, step, extra)
-            total = sum(index.files.values())
-            files.write_index(root, index)
-            files.remove_generations_except(root, generation)
-        except Exception as exc:  # noqa: BLE001
-            error = exc
-    _agree(comm, error, f"committing {root / files.INDEX}")
-    total = int(_all_sum(comm, float(total)))
-    result = SaveResult(str(root), step, generation, written, total, time.perf_counter() - start)
-    logger.info("checkpoint saved to %s (generation %d): %d bytes on this rank, %d in all, %.2f s",
-                root, generation, written, total, result.seconds)
-    return result
+    return written
 
 
-def _build_index(root: Path, generation: int, world: int, step, extra) -> files.Index:
+def _build_index(root: Path, generation: int, world: int, step, extra,
+                 save_id: str) -> files.Index:
     tensors: dict[str, files.TensorRecord] = {}
     sizes = {}
     for rank in range(world):
         name = files.rank_file(generation, rank)
         sizes[name] = (root / name).stat().st_size
-        for key, piece in files.read_rank_pieces(root, name).items():
+        for key, piece in files.read_rank_pieces(root, name, save_id).items():
             record = tensors.setdefault(key, files.TensorRecord(tuple(piece["shape"]),
                                                                 piece["dtype"]))
             if record.shape != tuple(piece["shape"]) or record.dtype != piece["dtype"]:
@@ -151,10 +190,11 @@ def _build_index(root: Path, generation: int, world: int, step, extra) -> files.
                                       f"{tuple(piece['shape'])}, another rank as {record.dtype} "
                                       f"{record.shape}")
             record.pieces.append(files.Piece(name, Box(tuple(piece["offsets"]),
-                                                       tuple(piece["lengths"]))))
+                                                       tuple(piece["lengths"])),
+                                             piece["checksum"]))
     for key, record in tensors.items():
         check_cover(key, record.shape, [p.box for p in record.pieces])
-    return files.Index(generation, step, extra, world, tensors, sizes)
+    return files.Index(generation, step, extra, world, tensors, sizes, save_id)
 
 
 def _check_fits(index: files.Index, entries, optimizer, root: Path) -> None:
@@ -182,22 +222,32 @@ def _read_box(reader: files.PieceReader, key: str, record: files.TensorRecord, b
                     files.numpy_dtype(record.dtype))
 
 
-def load(path, model, optimizer=None) -> dict:
+def _reader(root: Path, index: files.Index, verify: bool) -> files.PieceReader:
+    check_bool("verify", verify)
+    if not verify:      # an opt-out is said, never silent
+        logger.warning("checkpoint %s: checksums not verified (verify=False: trusted storage); "
+                       "sizes, save ids, dtypes and shapes still are", root)
+    return files.PieceReader(root, index, verify=verify)
+
+
+def load(path, model, optimizer=None, *, verify: bool = True) -> dict:
     """Load a checkpoint saved at any world size or mesh into ``model`` (and ``optimizer``);
     every rank calls it and reads only the slices it holds. Returns ``{"step", "extra",
-    "bytes_read", "seconds"}``. The model is unchanged when the checkpoint does not fit."""
+    "bytes_read", "seconds"}``. The model is unchanged when the checkpoint does not fit or a
+    file fails its checks: its size, save id, each piece's dtype and shape, and (``verify``,
+    the default) the checksum of every piece this rank reads from."""
     root = _checked_path(path)
     start = time.perf_counter()
     index = files.read_index(root)
     entries = _entries(model, optimizer)
     _check_fits(index, entries, optimizer, root)
-    reader = files.PieceReader(root, index)
+    reader = _reader(root, index, verify)
     planned = []
     for key, entry in entries:
         record = index.tensors[key]
         reads = plan_reads(key, record.shape, entry.box, [p.box for p in record.pieces])
         for piece_index, _ in reads:
-            reader.open(record.pieces[piece_index].file)     # every file checked before a write
+            reader.check(key, record.pieces[piece_index])    # every piece checked before a write
         planned.append((key, entry, record, reads))
     values_of = [(entry, _read_box(reader, key, record, entry.box, reads))
                  for key, entry, record, reads in planned]
@@ -210,14 +260,15 @@ def load(path, model, optimizer=None) -> dict:
             "seconds": seconds}
 
 
-def export_full(checkpoint, out) -> dict:
+def export_full(checkpoint, out, *, verify: bool = True) -> dict:
     """Write the model of the checkpoint in ``checkpoint`` as one safetensors file ``out`` under
     the unsharded model's parameter names (no launch: reads the files directly). Holds the whole
-    model in memory: for inference-sized exports. Returns ``{"tensors", "bytes", "seconds"}``."""
+    model in memory: for inference-sized exports. Every piece read is checked as :func:`load`
+    checks it. Returns ``{"tensors", "bytes", "seconds"}``."""
     start = time.perf_counter()
     root = Path(checkpoint)
     index = files.read_index(root)
-    reader = files.PieceReader(root, index)
+    reader = _reader(root, index, verify)
     arrays = {}
     for key, record in index.tensors.items():
         if not key.startswith(MODEL):
