@@ -23,9 +23,8 @@ from typing import Any, Optional
 import mindspore as ms
 import numpy as np
 
-from gradpool import (CheckpointError, InvalidArgumentError, StateMismatchError,
+from gradpool import (CheckpointError, InvalidArgumentError, StateMismatchError, check_bool,
                       communicator_for)
-from gradpool.errors import check_bool
 from hyper_parallel.checkpoint import files
 from hyper_parallel.core.dtensor.boxes import Box, check_cover, plan_reads
 from hyper_parallel.core.fully_shard.state_dict import (StateEntry, assemble, model_entries,
