@@ -32,6 +32,9 @@ from gradpool.app.errors import ConfigValueError
 logger = logging.getLogger(__name__)
 
 WRITER = "gradpool train"
+# The rank report key under which each rank publishes the newest checkpoint it saw committed
+# ({"path", "step"}), for the launcher's line when a signal stops the run.
+LAST_CHECKPOINT = "last_checkpoint"
 STEP_DIR_PREFIX = "step-"
 # What decides the batches and the updates besides the saved state (see the module docstring).
 TRAJECTORY_KEYS = ("seed", "micro_steps", "optimizer", "learning_rate")

@@ -64,7 +64,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from gradpool.app import _rank_entry, rank_report
+from gradpool.app import _rank_entry, lifeline, rank_report
+from gradpool.app.lifeline import LaunchInterrupted
 from gradpool.app.config import DEFAULT_CLUSTER_TIMEOUT_S
 from gradpool.app.rank_report import RankReport
 from gradpool.errors import InvalidArgumentError
@@ -76,6 +77,9 @@ TAIL_LINES = 60
 # msrun (process_entity/_api.py) logs this for the first worker that exits non-zero.
 _MSRUN_FAILURE = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
 _STOP_GRACE_SECONDS = 20.0
+# after SIGTERM/SIGHUP/SIGINT: how long msrun gets to end its workers before the launcher kills
+# its process group (every process of the launch must be gone within 10 s of the signal)
+_INTERRUPT_GRACE_SECONDS = 4.0
 POLL_SECONDS = 0.5
 FAILURE_GRACE_SECONDS = 5.0     # after a rank failed, how long msrun may take to end by itself
 # Another node's report counts for this launch only if it started at most this long before this
@@ -417,6 +421,11 @@ def _worker_env(extra) -> dict[str, str]:
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.setdefault("PYTHONUNBUFFERED", "1")    # prints reach the log before a crash or a kill
     env.update(dict(extra or {}))
+    # every process of the launch watches this one, and ends when it is gone (lifeline)
+    env.pop(lifeline.LAUNCHER_ENV, None)
+    identity = lifeline.launcher_identity()
+    if identity is not None:
+        env[lifeline.LAUNCHER_ENV] = identity
     return env
 
 
@@ -427,6 +436,7 @@ class _Watch:
     launch: NodeLaunch
     peers: dict
     since: float = field(default_factory=time.time)
+    stopped_for: Optional[int] = None     # the failed rank the launch is being stopped for
 
     def local(self, results: bool = False) -> list:
         return rank_report.read_ranks(self.launch.report_dir, self.launch.spec.ranks, results)
@@ -456,56 +466,28 @@ class _Watch:
         return dead_rank(self.peer_reports, alive=lambda pid: True)
 
 
+_TIMED_OUT, _STOPPED = "timed out", "stopped"      # _supervise's outcomes besides a code
+
+
 def _run(launch: NodeLaunch, timeout: float, failure_grace: float, peers: dict) -> LaunchResult:
     logger.info("launching ranks %s: %s", list(launch.spec.ranks),
                 " ".join(launch.command))
     watch = _Watch(launch, peers)
     start = time.monotonic()
-    timed_out = False
-    stopped_for: Optional[int] = None
-    failed_at = None
-    # Once every rank of a one-node job has ended well, the launcher ends msrun, whose scheduler
-    # notices that only at its next check (every 5 s: docs/launch.md#when-a-launch-ends). Not on
-    # a multi-node job: node 0's msrun runs the scheduler the other nodes' ranks still need.
-    may_end_early = launch.via_msrun and launch.spec.nodes == 1
-    procs = []
+    procs: list = []
+    signals = lifeline.StopSignals()
     try:
-        for process in launch.processes:
-            with open(launch.log_dir / process.log_name, "w", encoding="utf-8") as out:
-                # Own session: stopping it signals its group, not the caller's (msrun starts
-                # its workers with setsid as well).
-                procs.append(subprocess.Popen(process.argv, stdout=out, stderr=subprocess.STDOUT,
-                                              env=_worker_env(process.env),
-                                              start_new_session=True))
-        while True:
-            if _all_ended(procs, POLL_SECONDS):
-                returncode = _returncode(procs)
-                break
-            now = time.monotonic()
-            if failed_at is None:
-                dead = watch.dead()
-                if dead is not None:
-                    failed_at = now
-                    stopped_for = dead
-                    # info, not warning: the LaunchError raised afterwards says it to the user
-                    logger.info("rank %d failed; stopping the launch unless it ends within %.0f s",
-                                dead, failure_grace)
-            if may_end_early and watch.all_ended_well():
-                logger.info("every rank ended with exit code 0; ending msrun's scheduler")
-                _stop(procs, launch, via_msrun=True)
-                # the ranks' verdict: msrun's own status is now that of the signal (or of its
-                # own exit, when it was ending just then)
-                returncode = 0
-                break
-            if now - start >= timeout or (failed_at is not None
-                                          and now - failed_at >= failure_grace):
-                timed_out = failed_at is None
-                returncode = None
-                _stop(procs, launch, via_msrun=launch.via_msrun)
-                break
+        with signals:
+            returncode = _supervise(launch, procs, watch, signals, timeout, failure_grace)
     except BaseException:
-        _stop(procs, launch, via_msrun=launch.via_msrun)     # Ctrl-C: leave nothing running
+        _stop(procs, launch, via_msrun=launch.via_msrun)     # leave nothing running
         raise
+    if signals.signum is not None:
+        raise _interrupted(launch, procs, signals.signum)
+    timed_out = returncode == _TIMED_OUT
+    if returncode in (_TIMED_OUT, _STOPPED):
+        returncode = None
+    stopped_for = watch.stopped_for
     if returncode is not None and launch.via_msrun:
         stopped_for = None        # msrun ended by itself: its own verdict and the codes stand
     seconds = time.monotonic() - start
@@ -521,6 +503,82 @@ def _run(launch: NodeLaunch, timeout: float, failure_grace: float, peers: dict) 
     logger.info("launch returned %s after %.1f s; rank exit codes %s", returncode, seconds,
                 result.exit_codes)
     return result
+
+
+def _supervise(launch: NodeLaunch, procs: list, watch: "_Watch", signals, timeout: float,
+               failure_grace: float):
+    """Start the launch's processes into ``procs`` and watch them until they end (their return
+    code), a rank fails and the grace passes or the launch times out (stopped: ``_STOPPED``,
+    ``_TIMED_OUT``), or a stop signal arrives (stopped, ``signals.signum`` set)."""
+    start = time.monotonic()
+    failed_at = None
+    # Once every rank of a one-node job has ended well, the launcher ends msrun, whose scheduler
+    # notices that only at its next check (every 5 s: docs/launch.md#when-a-launch-ends). Not on
+    # a multi-node job: node 0's msrun runs the scheduler the other nodes' ranks still need.
+    may_end_early = launch.via_msrun and launch.spec.nodes == 1
+    for process in launch.processes:
+        if signals.signum is not None:
+            break
+        with open(launch.log_dir / process.log_name, "w", encoding="utf-8") as out:
+            # Own session: stopping it signals its group, not the caller's (msrun starts
+            # its workers with setsid as well).
+            procs.append(subprocess.Popen(process.argv, stdout=out, stderr=subprocess.STDOUT,
+                                          env=_worker_env(process.env),
+                                          start_new_session=True))
+    while True:
+        if signals.signum is not None:
+            _stop(procs, launch, via_msrun=launch.via_msrun, grace=_INTERRUPT_GRACE_SECONDS)
+            return _STOPPED
+        if _all_ended(procs, POLL_SECONDS):
+            return _returncode(procs)
+        now = time.monotonic()
+        if failed_at is None:
+            dead = watch.dead()
+            if dead is not None:
+                failed_at = now
+                watch.stopped_for = dead
+                # info, not warning: the LaunchError raised afterwards says it to the user
+                logger.info("rank %d failed; stopping the launch unless it ends within %.0f s",
+                            dead, failure_grace)
+        if may_end_early and watch.all_ended_well():
+            logger.info("every rank ended with exit code 0; ending msrun's scheduler")
+            _stop(procs, launch, via_msrun=True)
+            # the ranks' verdict: msrun's own status is now that of the signal (or of its
+            # own exit, when it was ending just then)
+            return 0
+        if now - start >= timeout:
+            _stop(procs, launch, via_msrun=launch.via_msrun)
+            return _TIMED_OUT if failed_at is None else _STOPPED
+        if failed_at is not None and now - failed_at >= failure_grace:
+            _stop(procs, launch, via_msrun=launch.via_msrun)
+            return _STOPPED
+
+
+def _interrupted(launch: NodeLaunch, procs: list, signum: int) -> LaunchInterrupted:
+    """The one line a stop signal ends the launch with (logged as a warning: the CLI shows it)."""
+    name = signal.Signals(signum).name
+    ranks = ", ".join(str(r) for r in launch.spec.ranks)
+    what = (f"msrun (pid {procs[0].pid}) and rank(s) {ranks}" if launch.via_msrun and procs
+            else f"rank(s) {ranks}")
+    left = [r.pid for r in rank_report.read_ranks(launch.report_dir, launch.spec.ranks,
+                                                  results=False)
+            if r is not None and pid_alive(r.pid)]
+    where = f"; processes still ending: {left}" if left else ", no process of the launch left"
+    message = (f"{name}: stopped {what}{where}; last committed checkpoint: "
+               f"{_last_checkpoint(launch)}; logs in {launch.log_dir}")
+    logger.warning("%s", message)
+    return LaunchInterrupted(signum, message)
+
+
+def _last_checkpoint(launch: NodeLaunch) -> str:
+    """The newest checkpoint a rank of this node reported committed (rank_main publishes it)."""
+    from gradpool.app.checkpoints import LAST_CHECKPOINT
+    newest = None
+    for report in rank_report.read_ranks(launch.report_dir, launch.spec.ranks):
+        saved = (report.results or {}).get(LAST_CHECKPOINT) if report is not None else None
+        if isinstance(saved, dict) and (newest is None or saved["step"] > newest["step"]):
+            newest = saved
+    return "none" if newest is None else f"{newest['path']} (step {newest['step']})"
 
 
 def _all_ended(procs: list, wait: float) -> bool:
@@ -628,8 +686,10 @@ def _tail(path: Path, lines: int = TAIL_LINES) -> str:
     return "".join(collections.deque(_lines(path), maxlen=lines))
 
 
-def _stop(procs: list, launch: NodeLaunch, via_msrun: bool) -> None:
-    """Stop a launch (timed out, a rank failed, interrupted), and every rank it started."""
+def _stop(procs: list, launch: NodeLaunch, via_msrun: bool,
+          grace: float = _STOP_GRACE_SECONDS) -> None:
+    """Stop a launch (timed out, a rank failed, interrupted), and every rank it started; msrun
+    gets ``grace`` seconds to stop its workers before its process group is killed."""
     for proc in procs:
         if proc.poll() is not None:
             continue
@@ -637,7 +697,7 @@ def _stop(procs: list, launch: NodeLaunch, via_msrun: bool) -> None:
         proc.send_signal(signal.SIGINT if via_msrun else signal.SIGTERM)
     for proc in procs:
         try:
-            proc.wait(timeout=_STOP_GRACE_SECONDS)
+            proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             _kill_group(proc.pid)
             proc.wait()
