@@ -229,6 +229,32 @@ def _reader(root: Path, index: files.Index, verify: bool) -> files.PieceReader:
     return files.PieceReader(root, index, verify=verify)
 
 
+_LOAD_ATTEMPTS = 3
+
+
+def _index_or_none(root: Path) -> Optional[files.Index]:
+    try:
+        return files.read_index(root)
+    except CheckpointError:
+        return None
+
+
+def _read_state(root: Path, index: files.Index, entries, optimizer, verify: bool):
+    """Every value this rank needs from ``index``'s checkpoint, every piece checked first; the
+    model is not touched."""
+    _check_fits(index, entries, optimizer, root)
+    reader = _reader(root, index, verify)
+    planned = []
+    for key, entry in entries:
+        record = index.tensors[key]
+        reads = plan_reads(key, record.shape, entry.box, [p.box for p in record.pieces])
+        for piece_index, _ in reads:
+            reader.check(key, record.pieces[piece_index])    # every piece checked before a read
+        planned.append((key, entry, record, reads))
+    return reader, [(entry, _read_box(reader, key, record, entry.box, reads))
+                    for key, entry, record, reads in planned]
+
+
 def load(path, model, optimizer=None, *, verify: bool = True) -> dict:
     """Load a checkpoint saved at any world size or mesh into ``model`` (and ``optimizer``);
     every rank calls it and reads only the slices it holds. Returns ``{"step", "extra",
@@ -237,19 +263,23 @@ def load(path, model, optimizer=None, *, verify: bool = True) -> dict:
     the default) the checksum of every piece this rank reads from."""
     root = _checked_path(path)
     start = time.perf_counter()
-    index = files.read_index(root)
     entries = _entries(model, optimizer)
-    _check_fits(index, entries, optimizer, root)
-    reader = _reader(root, index, verify)
-    planned = []
-    for key, entry in entries:
-        record = index.tensors[key]
-        reads = plan_reads(key, record.shape, entry.box, [p.box for p in record.pieces])
-        for piece_index, _ in reads:
-            reader.check(key, record.pieces[piece_index])    # every piece checked before a write
-        planned.append((key, entry, record, reads))
-    values_of = [(entry, _read_box(reader, key, record, entry.box, reads))
-                 for key, entry, record, reads in planned]
+    index = files.read_index(root)
+    for attempt in range(_LOAD_ATTEMPTS):
+        try:
+            reader, values_of = _read_state(root, index, entries, optimizer, verify)
+            break
+        except CheckpointError:
+            # A writer may have committed a newer save, and removed this one's files, between
+            # the read of the index and the opening of the files: then read the newer one. In
+            # one process only: ranks that each switched on their own could load two saves.
+            newer = _index_or_none(root)
+            if (attempt + 1 == _LOAD_ATTEMPTS or newer is None or newer.save_id == index.save_id
+                    or communicator_for().world_size != 1):
+                raise
+            logger.info("checkpoint %s: save %s was replaced by save %s while loading; "
+                        "loading that one", root, index.save_id, newer.save_id)
+            index = newer
     for entry, values in values_of:
         entry.assign(values)
     seconds = time.perf_counter() - start

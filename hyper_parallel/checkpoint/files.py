@@ -38,6 +38,7 @@ import re
 import secrets
 import shutil
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -338,7 +339,7 @@ class DirectoryLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown"
+            holder = _holder(fd)
             os.close(fd)
             raise CheckpointError(
                 f"checkpoint directory {self.path.parent} is being saved by another writer "
@@ -356,6 +357,17 @@ class DirectoryLock:
         if self._fd is not None:
             os.close(self._fd)          # closing the last descriptor releases the flock
             self._fd = None
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock on ``fd``'s file: the holder writes it just after taking the lock, so
+    give it a moment when the file is still empty."""
+    for _ in range(20):
+        text = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+        if text:
+            return text
+        time.sleep(0.005)
+    return "unknown: it has not said"
 
 
 def _read_header(path: Path, size: int, of: str = "") -> tuple[dict, int]:
@@ -502,13 +514,16 @@ def _hash_range(path: Path, begin: int, end: int) -> str:
     """The checksum of bytes ``[begin, end)`` of ``path``, hashed from the mapped file (no copy)."""
     if end <= begin:
         return _hex(xxhash.xxh3_64_intdigest(b""))
-    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        with memoryview(mapped) as view:
-            part = view[begin:end]
-            try:
-                return _hex(xxhash.xxh3_64_intdigest(part))
-            finally:
-                part.release()
+    try:
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            with memoryview(mapped) as view:
+                part = view[begin:end]
+                try:
+                    return _hex(xxhash.xxh3_64_intdigest(part))
+                finally:
+                    part.release()
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint file {path} cannot be read: {exc}") from exc
 
 
 def verify_checkpoint(root: Path, index: Index, checksums: bool = True) -> None:
