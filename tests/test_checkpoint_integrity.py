@@ -272,3 +272,26 @@ def test_a_version_1_index_needs_an_explicit_opt_out(saved):
         checkpoint.load(root, model, optimizer)
     checkpoint.load(root, model, optimizer, verify=False)
     _assert_same_bits(_state(model, optimizer), want)
+
+
+# -- through the command line --------------------------------------------------------------------
+def test_the_cli_refuses_a_damaged_checkpoint_in_one_line_before_anything_runs(saved, capsys):
+    """``gradpool export`` (checksums: in the export) and ``gradpool train``'s resume (headers,
+    sizes and save ids: before the launch) exit 2 with one line naming the file and tensor."""
+    from gradpool.app.cli import EXIT_USAGE, main
+    root, _ = saved
+    flip_a_byte(root)
+    out = root.parent / "model.safetensors"
+    assert main(["export", "--checkpoint", str(root), "--out", str(out)]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(_rank_file(root)) in err[0] and "model/w2" in err[0], err
+    assert not out.exists()
+    f32_header_to_i32(root)
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "deepseek3_tiny.yaml"
+    assert main(["train", "--config", str(tiny), "--set", f"train.resume_from={root}"]) == \
+        EXIT_USAGE
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("gradpool train: cannot resume: "), err
+    assert str(_rank_file(root)) in err[0] and "model/w1 is stored as I32" in err[0], err
+    assert "logs in" not in captured.out        # refused before a log directory, or a launch
