@@ -100,10 +100,11 @@ def _check_save_args(path, step, extra) -> Path:
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise InvalidArgumentError(f"step must be an int >= 0 or None, got {step!r}")
     try:
-        json.dumps(extra)
+        # strict JSON: NaN and infinities would make an index other JSON readers refuse
+        json.dumps(extra, allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise InvalidArgumentError(f"extra must be JSON-serialisable (it goes into the index): "
-                                   f"{exc}") from exc
+        raise InvalidArgumentError(f"extra must be strict JSON (it goes into the index; no NaN "
+                                   f"or infinity, no objects): {exc}") from exc
     return root
 
 

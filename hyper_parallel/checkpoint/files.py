@@ -263,7 +263,7 @@ def read_rank_pieces(root: Path, name: str, save_id: str) -> dict[str, dict]:
 def write_index(root: Path, index: Index) -> None:
     tmp = _tmp_name(root / INDEX)
     try:
-        tmp.write_text(json.dumps(index.to_json(), indent=1, sort_keys=True))
+        tmp.write_text(json.dumps(index.to_json(), indent=1, sort_keys=True, allow_nan=False))
         _commit(tmp, root / INDEX)
     except BaseException:
         tmp.unlink(missing_ok=True)
