@@ -146,14 +146,14 @@ class Index:
                 raise CheckpointError(
                     f"checkpoint index {where} lists no rank files ('files' is {sizes!r}), so no "
                     "file size can be checked: it is damaged; load another checkpoint")
-            allowed = {rank_file(generation, rank) for rank in range(world)}
             for name in sizes:
-                _check_name(name, allowed, where, None)
+                _check_name(name, where, None, generation, world)
             tensors = {}
             for key, r in data["tensors"].items():
                 pieces = []
                 for p in r["pieces"]:
-                    _check_name(p["file"], set(sizes), where, key)
+                    if p["file"] not in sizes:
+                        _check_name(p["file"], where, key)
                     if version == VERSION and not isinstance(p.get("checksum"), str):
                         raise CheckpointError(f"checkpoint index {where}: tensor {key} in "
                                               f"{p['file']} has no checksum")
@@ -170,14 +170,21 @@ class Index:
                                   f"{exc}") from exc
 
 
-def _check_name(name, allowed: set, where: Path, key: Optional[str]) -> None:
-    """Index paths name this generation's rank files only: an absolute path or ``..`` would
-    make a reader open a file outside the checkpoint directory."""
-    if isinstance(name, str) and name in allowed:
+def _check_name(name, where: Path, key: Optional[str], generation: Optional[int] = None,
+                world: int = 0) -> None:
+    """Index paths name this generation's rank files only (``gen-<N>/rank-<R>.safetensors``, R
+    below the world size): an absolute path or ``..`` would make a reader open a file outside
+    the checkpoint directory. With no ``generation``, ``name`` is refused (a piece naming a file
+    the index does not list)."""
+    found = _RANK_FILE.fullmatch(name) if isinstance(name, str) else None
+    if found and generation is not None and int(found[1]) == generation and \
+            int(found[2]) < world:
         return
     of = f" (tensor {key})" if key is not None else ""
     if not isinstance(name, str) or os.path.isabs(name) or ".." in Path(name).parts:
         why = "lies outside the checkpoint directory"
+    elif generation is None:
+        why = "is not among the index's files"
     else:
         why = "is not one of this generation's rank files (gen-<N>/rank-<R>.safetensors)"
     raise CheckpointError(f"checkpoint index {where}: file {name!r}{of} {why}; the index is "
