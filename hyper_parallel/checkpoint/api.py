@@ -256,6 +256,38 @@ def _read_state(root: Path, index: files.Index, entries, optimizer, verify: bool
                     for key, entry, record, reads in planned]
 
 
+def _read_with_retries(root: Path, entries, optimizer, verify: bool, comm):
+    index = files.read_index(root)
+    for attempt in range(_LOAD_ATTEMPTS):
+        try:
+            reader, values_of = _read_state(root, index, entries, optimizer, verify)
+            return index, reader, values_of
+        except CheckpointError:
+            # A writer may have committed a newer save, and removed this one's files, between
+            # the read of the index and the opening of the files: then read the newer one. In
+            # one process only: ranks that each switched on their own could load two saves.
+            newer = _index_or_none(root)
+            if (attempt + 1 == _LOAD_ATTEMPTS or newer is None or newer.save_id == index.save_id
+                    or comm.world_size != 1):
+                raise
+            logger.info("checkpoint %s: save %s was replaced by save %s while loading; "
+                        "loading that one", root, index.save_id, newer.save_id)
+            index = newer
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _agree_to_assign(comm, error: Optional[BaseException], root: Path) -> None:
+    """Raise on every rank if any rank could not read its part, before any rank changes its
+    model: a file only some ranks read (their own shards) must not leave the others loaded."""
+    failed = _all_sum(comm, 0.0 if error is None else 1.0) if comm.world_size > 1 else 0.0
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"checkpoint {root} failed to load on {int(failed)} other rank(s) "
+                              "(their logs say why); this rank's model and optimizer are "
+                              "unchanged")
+
+
 def load(path, model, optimizer=None, *, verify: bool = True) -> dict:
     """Load a checkpoint saved at any world size or mesh into ``model`` (and ``optimizer``);
     every rank calls it and reads only the slices it holds. Returns ``{"step", "extra",
@@ -264,23 +296,14 @@ def load(path, model, optimizer=None, *, verify: bool = True) -> dict:
     the default) the checksum of every piece this rank reads from."""
     root = _checked_path(path)
     start = time.perf_counter()
+    comm = communicator_for()
     entries = _entries(model, optimizer)
-    index = files.read_index(root)
-    for attempt in range(_LOAD_ATTEMPTS):
-        try:
-            reader, values_of = _read_state(root, index, entries, optimizer, verify)
-            break
-        except CheckpointError:
-            # A writer may have committed a newer save, and removed this one's files, between
-            # the read of the index and the opening of the files: then read the newer one. In
-            # one process only: ranks that each switched on their own could load two saves.
-            newer = _index_or_none(root)
-            if (attempt + 1 == _LOAD_ATTEMPTS or newer is None or newer.save_id == index.save_id
-                    or communicator_for().world_size != 1):
-                raise
-            logger.info("checkpoint %s: save %s was replaced by save %s while loading; "
-                        "loading that one", root, index.save_id, newer.save_id)
-            index = newer
+    index = reader = values_of = error = None
+    try:
+        index, reader, values_of = _read_with_retries(root, entries, optimizer, verify, comm)
+    except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it before assigning
+        error = exc
+    _agree_to_assign(comm, error, root)
     for entry, values in values_of:
         entry.assign(values)
     seconds = time.perf_counter() - start
