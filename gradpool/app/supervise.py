@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from gradpool.app import lifeline, rank_report
+from gradpool.app.checkpoints import LAST_CHECKPOINT
 from gradpool.app.lifeline import LaunchInterrupted
 from gradpool.app.rank_report import RankReport
 from gradpool.errors import InvalidArgumentError
@@ -272,7 +273,6 @@ def _interrupted(launch, procs: list, signum: int) -> LaunchInterrupted:
 
 def _last_checkpoint(launch) -> str:
     """The newest checkpoint a rank of this node reported committed (rank_main publishes it)."""
-    from gradpool.app.checkpoints import LAST_CHECKPOINT
     newest = None
     for report in rank_report.read_ranks(launch.report_dir, launch.spec.ranks):
         saved = (report.results or {}).get(LAST_CHECKPOINT) if report is not None else None
