@@ -230,7 +230,7 @@ def _reader(root: Path, index: files.Index, verify: bool) -> files.PieceReader:
     return files.PieceReader(root, index, verify=verify)
 
 
-_LOAD_ATTEMPTS = 3
+_LOAD_ATTEMPTS = 5
 
 
 def _index_or_none(root: Path) -> Optional[files.Index]:
@@ -245,15 +245,18 @@ def _read_state(root: Path, index: files.Index, entries, optimizer, verify: bool
     model is not touched."""
     _check_fits(index, entries, optimizer, root)
     reader = _reader(root, index, verify)
-    planned = []
-    for key, entry in entries:
-        record = index.tensors[key]
-        reads = plan_reads(key, record.shape, entry.box, [p.box for p in record.pieces])
-        for piece_index, _ in reads:
-            reader.check(key, record.pieces[piece_index])    # every piece checked before a read
-        planned.append((key, entry, record, reads))
-    return reader, [(entry, _read_box(reader, key, record, entry.box, reads))
-                    for key, entry, record, reads in planned]
+    try:
+        planned = []
+        for key, entry in entries:
+            record = index.tensors[key]
+            reads = plan_reads(key, record.shape, entry.box, [p.box for p in record.pieces])
+            for piece_index, _ in reads:
+                reader.check(key, record.pieces[piece_index])    # every piece before a read
+            planned.append((key, entry, record, reads))
+        return reader, [(entry, _read_box(reader, key, record, entry.box, reads))
+                        for key, entry, record, reads in planned]
+    finally:
+        reader.close()
 
 
 def _read_with_retries(root: Path, entries, optimizer, verify: bool, comm):
@@ -323,12 +326,15 @@ def export_full(checkpoint, out, *, verify: bool = True) -> dict:
     index = files.read_index(root)
     reader = _reader(root, index, verify)
     arrays = {}
-    for key, record in index.tensors.items():
-        if not key.startswith(MODEL):
-            continue
-        whole = Box.whole(record.shape)
-        reads = plan_reads(key, record.shape, whole, [p.box for p in record.pieces])
-        arrays[key[len(MODEL):]] = _read_box(reader, key, record, whole, reads)
+    try:
+        for key, record in index.tensors.items():
+            if not key.startswith(MODEL):
+                continue
+            whole = Box.whole(record.shape)
+            reads = plan_reads(key, record.shape, whole, [p.box for p in record.pieces])
+            arrays[key[len(MODEL):]] = _read_box(reader, key, record, whole, reads)
+    finally:
+        reader.close()
     if not arrays:
         raise CheckpointError(f"checkpoint {root} holds no model tensors")
     out = Path(out)

@@ -377,18 +377,17 @@ def _holder(fd: int) -> str:
     return "unknown: it has not said"
 
 
-def _read_header(path: Path, size: int, of: str = "") -> tuple[dict, int]:
+def _read_header(fh, path: Path, size: int, of: str = "") -> tuple[dict, int]:
     """A safetensors file's header and where its data starts (8-byte little-endian length, then
-    that much JSON)."""
+    that much JSON), read from the open file ``fh``."""
     try:
-        with open(path, "rb") as fh:
-            prefix = fh.read(8)
-            if len(prefix) < 8:
-                raise ValueError("shorter than a safetensors header")
-            length = struct.unpack("<Q", prefix)[0]
-            if length > min(_MAX_HEADER_BYTES, size - 8):
-                raise ValueError(f"header length {length} does not fit the file")
-            header = json.loads(fh.read(length))
+        prefix = os.pread(fh.fileno(), 8, 0)
+        if len(prefix) < 8:
+            raise ValueError("shorter than a safetensors header")
+        length = struct.unpack("<Q", prefix)[0]
+        if length > min(_MAX_HEADER_BYTES, size - 8):
+            raise ValueError(f"header length {length} does not fit the file")
+        header = json.loads(os.pread(fh.fileno(), length, 8))
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
     except (OSError, ValueError, UnicodeDecodeError) as exc:
@@ -409,6 +408,7 @@ class PieceReader:
                 f"version {index.version}): load it with verify=False to trust its files")
         self.root, self.index, self.verify = root, index, verify
         self._open: dict[str, Any] = {}
+        self._files: dict[str, Any] = {}
         self._headers: dict[str, tuple[dict, int]] = {}
         self._checked: set[tuple[str, str]] = set()
         self.bytes_read = 0
@@ -421,14 +421,18 @@ class PieceReader:
         path = self.root / name
         of = f" (it holds tensor {key})" if key is not None else ""
         expected = self.index.files[name]       # Index.from_json: every piece's file is listed
+        # Every later read of this file (header, checksums, slices) goes through what is opened
+        # here: a writer that removes the generation afterwards cannot take it from under us.
         try:
-            size = path.stat().st_size
+            fh = open(path, "rb")
         except OSError as exc:
             raise CheckpointError(f"checkpoint file {path} is missing{of}: {exc}") from exc
+        self._files[name] = fh
+        size = os.fstat(fh.fileno()).st_size
         if size != expected:
             raise CheckpointError(f"checkpoint file {path} is {size} bytes; the index records "
                                   f"{expected} (truncated or overwritten){of}")
-        header, data_start = _read_header(path, size, of)
+        header, data_start = _read_header(fh, path, size, of)
         saved_by = (header.get("__metadata__") or {}).get(_SAVE_ID_KEY)
         if self.index.save_id is not None and saved_by != self.index.save_id:
             raise CheckpointError(
@@ -438,12 +442,22 @@ class PieceReader:
                 "checkpoint")
         _check_extents(path, header)
         try:
-            handle = safe_open(str(path), framework="numpy")
+            # by its /proc/self/fd path where there is one: the very file opened above
+            fd_path = f"/proc/self/fd/{fh.fileno()}"
+            handle = safe_open(fd_path if os.path.exists(fd_path) else str(path),
+                               framework="numpy")
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"checkpoint file {path} cannot be read{of}: {exc}") from exc
         self._headers[name] = (header, data_start)
         self._open[name] = handle
         return handle
+
+    def close(self) -> None:
+        """Close the files this reader opened (the values it returned are copies)."""
+        for fh in self._files.values():
+            fh.close()
+        self._files.clear()
+        self._open.clear()
 
     def check(self, key: str, piece: Piece) -> None:
         """Check ``key``'s piece in its file against the index (once per piece)."""
@@ -468,7 +482,8 @@ class PieceReader:
                 f"the index records {piece.box.lengths}")
         if self.verify:
             begin, end = entry["data_offsets"]
-            got = _hash_range(path, data_start + begin, data_start + end)
+            got = _hash_range(self._files[piece.file], path, data_start + begin,
+                              data_start + end)
             if got != piece.checksum:
                 raise CheckpointError(
                     f"checkpoint file {path}: tensor {key}: its bytes do not match the checksum "
@@ -517,19 +532,20 @@ def _check_extents(path: Path, header: dict) -> None:
                 "file's header was changed; restore it or load another checkpoint")
 
 
-def _hash_range(path: Path, begin: int, end: int) -> str:
-    """The checksum of bytes ``[begin, end)`` of ``path``, hashed from the mapped file (no copy)."""
+def _hash_range(fh, path: Path, begin: int, end: int) -> str:
+    """The checksum of bytes ``[begin, end)`` of the open file ``fh``, hashed from the mapped
+    file (no copy)."""
     if end <= begin:
         return _hex(xxhash.xxh3_64_intdigest(b""))
     try:
-        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             with memoryview(mapped) as view:
                 part = view[begin:end]
                 try:
                     return _hex(xxhash.xxh3_64_intdigest(part))
                 finally:
                     part.release()
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint file {path} cannot be read: {exc}") from exc
 
 
@@ -537,8 +553,11 @@ def verify_checkpoint(root: Path, index: Index, checksums: bool = True) -> None:
     """Check every file and piece of a checkpoint without loading it (sizes, save ids, dtypes,
     shapes, and with ``checksums`` the bytes): what a launcher runs before any rank starts."""
     reader = PieceReader(root, index, verify=checksums)
-    for key, record in index.tensors.items():
-        for piece in record.pieces:
-            reader.check(key, piece)
-    for name in index.files:
-        reader.open(name)
+    try:
+        for key, record in index.tensors.items():
+            for piece in record.pieces:
+                reader.check(key, piece)
+        for name in index.files:
+            reader.open(name)
+    finally:
+        reader.close()
