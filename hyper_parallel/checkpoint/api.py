@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -320,9 +321,12 @@ def export_full(checkpoint, out, *, verify: bool = True) -> dict:
     """Write the model of the checkpoint in ``checkpoint`` as one safetensors file ``out`` under
     the unsharded model's parameter names (no launch: reads the files directly). Holds the whole
     model in memory: for inference-sized exports. Every piece read is checked as :func:`load`
-    checks it. Returns ``{"tensors", "bytes", "seconds"}``."""
+    checks it. ``out`` must end in ``.safetensors``, lie outside the checkpoint, and be new or a
+    regular file. Returns ``{"tensors", "bytes", "seconds"}``."""
     start = time.perf_counter()
     root = Path(checkpoint)
+    out = Path(out)
+    _check_export_target(root, out)
     index = files.read_index(root)
     reader = _reader(root, index, verify)
     arrays = {}
@@ -330,19 +334,52 @@ def export_full(checkpoint, out, *, verify: bool = True) -> dict:
         for key, record in index.tensors.items():
             if not key.startswith(MODEL):
                 continue
-            whole = Box.whole(record.shape)
-            reads = plan_reads(key, record.shape, whole, [p.box for p in record.pieces])
-            arrays[key[len(MODEL):]] = _read_box(reader, key, record, whole, reads)
+            try:
+                whole = Box.whole(record.shape)
+                reads = plan_reads(key, record.shape, whole, [p.box for p in record.pieces])
+                arrays[key[len(MODEL):]] = _read_box(reader, key, record, whole, reads)
+            except (StateMismatchError, ValueError, TypeError) as exc:
+                # the index's own geometry is wrong: a damaged index, not a model mismatch
+                raise CheckpointError(f"checkpoint index {root / files.INDEX}: tensor {key}: "
+                                      f"{exc}; the index is damaged: export another "
+                                      "checkpoint") from exc
     finally:
         reader.close()
     if not arrays:
         raise CheckpointError(f"checkpoint {root} holds no model tensors")
-    out = Path(out)
-    if out.is_dir():
-        raise CheckpointError(f"export target {out} is a directory; name the file to write")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         size = files.write_single_file(out, arrays, {"step": json.dumps(index.step)})
     except (OSError, files.SafetensorError) as exc:
         raise CheckpointError(f"export target {out} cannot be written: {exc}") from exc
     return {"tensors": len(arrays), "bytes": size, "seconds": time.perf_counter() - start}
+
+
+def _check_export_target(root: Path, out: Path) -> None:
+    """Refuse a target the export would damage or that plain MindSpore would not load: the write
+    goes to a temporary file renamed over ``out``, so a symlink, FIFO or device there would be
+    replaced by a regular file, and a target inside the checkpoint could replace its index or
+    a rank file."""
+    if out.is_dir():
+        raise CheckpointError(f"export target {out} is a directory; name the file to write")
+    if not out.name.endswith(".safetensors"):
+        raise CheckpointError(
+            f"export target {out} does not end in .safetensors, which "
+            "mindspore.load_checkpoint(..., format=\"safetensors\") requires; name it "
+            f"{out.name}.safetensors")
+    try:
+        mode = os.lstat(out).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        mode = None         # a new file (or one whose directory cannot be made: the write says)
+    except OSError as exc:
+        raise CheckpointError(f"export target {out} cannot be examined: {exc}") from exc
+    if mode is not None and not stat.S_ISREG(mode):
+        kind = ("a symbolic link" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a file")
+        raise CheckpointError(f"export target {out} is {kind}: the export would replace it with "
+                              "a regular file; give the path of a new or regular file")
+    inside = root.resolve()
+    target = out.parent.resolve() / out.name
+    if target == inside or inside in target.parents:
+        raise CheckpointError(f"export target {out} lies inside the checkpoint {root} being "
+                              "exported, whose files it could replace; write it elsewhere")

@@ -221,11 +221,27 @@ def _tmp_name(final: Path) -> Path:
     return final.with_name(f"{final.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
 
+def _new_file_mode() -> int:
+    """The mode ``open()`` gives a new file under this process's umask (0644 under 022), read
+    from ``/proc`` where it is there (setting the umask to read it is process-wide)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_single_file(final: Path, arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> int:
     """Write one safetensors file under a temporary name and rename it; its size in bytes."""
     tmp = _tmp_name(final)
     try:
         save_file(arrays, str(tmp), metadata=metadata)
+        os.chmod(tmp, _new_file_mode())     # safetensors creates its files 0600
         _commit(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)
