@@ -54,7 +54,7 @@ def arm(point: str) -> None:
             original_commit(tmp, final)
         files._commit = commit
     elif point == "after_commit_before_cleanup":
-        files.remove_generations_except = lambda root, keep: _die()
+        files.remove_superseded = lambda root, generation: _die()
     elif point != "none":
         raise SystemExit(f"unknown kill point {point!r}")
 

@@ -187,6 +187,8 @@ def test_bad_save_arguments_are_refused(tmp_path):
         checkpoint.save(tmp_path / "ck", model, step=-1)
     with pytest.raises(InvalidArgumentError, match="JSON"):
         checkpoint.save(tmp_path / "ck", model, extra={"x": object()})
+    with pytest.raises(InvalidArgumentError, match="strict JSON.*Out of range float"):
+        checkpoint.save(tmp_path / "ck", model, extra={"x": float("nan")})
     assert not (tmp_path / "ck").exists()
 
 

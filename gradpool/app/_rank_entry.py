@@ -16,7 +16,7 @@ import runpy
 import sys
 import traceback
 
-from gradpool.app import rank_report
+from gradpool.app import lifeline, rank_report
 
 
 def _exit_code(code) -> int:
@@ -33,6 +33,7 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m gradpool.app._rank_entry SCRIPT [ARGS...]", file=sys.stderr)
         return 2
+    lifeline.watch_launcher()       # a launcher killed outright takes this process with it
     if os.environ.get("MS_ROLE") == "MS_SCHED":
         return _serve_cluster()
     script = os.path.abspath(argv[0])

@@ -32,6 +32,9 @@ from gradpool.app.errors import ConfigValueError
 logger = logging.getLogger(__name__)
 
 WRITER = "gradpool train"
+# The rank report key under which each rank publishes the newest checkpoint it saw committed
+# ({"path", "step"}), for the launcher's line when a signal stops the run.
+LAST_CHECKPOINT = "last_checkpoint"
 STEP_DIR_PREFIX = "step-"
 # What decides the batches and the updates besides the saved state (see the module docstring).
 TRAJECTORY_KEYS = ("seed", "micro_steps", "optimizer", "learning_rate")
@@ -71,12 +74,16 @@ class CheckpointInfo:
     bytes: int              # every rank file together
 
 
-def read_checkpoint(path) -> CheckpointInfo:
-    """The index of the checkpoint in ``path``; :class:`CheckpointError` naming the file when
-    there is none or it cannot be read."""
+def read_checkpoint(path, checksums: bool = False) -> CheckpointInfo:
+    """The index of the checkpoint in ``path``, after checking every rank file against it (its
+    size and save id, each piece's dtype, shape and extent: headers only, cheap; with
+    ``checksums`` every piece's bytes too); :class:`CheckpointError` naming the file (and the
+    tensor) when there is none or one fails. Without ``checksums`` a flipped byte is found by
+    the ranks' own load, which verifies checksums."""
     from hyper_parallel.checkpoint import files
     root = Path(path)
     index = files.read_index(root)
+    files.verify_checkpoint(root, index, checksums=checksums)
     return CheckpointInfo(root, index.step, index.extra, index.world_size,
                           sum(index.files.values()))
 

@@ -156,6 +156,8 @@ def run_rank(cfg: RunConfig, out_dir, on_step: Optional[Callable] = None,
                 record.saved = checkpoints.save_step(cfg, model, optimizer, record.step + 1,
                                                      world)
                 outcome.saved.append(record.saved)
+                reporter.publish(checkpoints.LAST_CHECKPOINT, {"path": record.saved["path"],
+                                                                "step": record.saved["step"]})
             steps.append(dataclasses.asdict(record))
             reporter.publish(STEPS, steps)
             outcome.steps = record.step + 1 - first_step
