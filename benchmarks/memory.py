@@ -14,6 +14,16 @@ predicts all the model holds at the peak, so it is set against ``growth + full m
 (activations, ``batch x hidden`` per layer, are left out of both: 128 KiB a layer at the
 defaults).
 
+The recompute row: on the first world size, a second model, one whose activations dominate
+(:func:`benchmarks.memory_worker.build_block_stack`: many rows through narrow blocks that widen
+inside, each block a unit), trained with ``Cell.recompute()`` on every block and then without in
+the same ranks, both peaks above one baseline, next to the activations recompute drops: each
+block's saved intermediates, counted with MindSpore's saved-tensor hooks, times the blocks. One
+block's are rebuilt at a time in backward, so the peaks should differ by about ``blocks - 1``
+blocks' worth. The full run gives the pair ranks of its own; ``--quick`` runs it in the control's
+ranks after the control (a launch costs ~14 s): the same difference, both peaks lower by what the
+control leaves that the pair reuses (docs/benchmarks/memory.md).
+
     python -m benchmarks.memory [--quick] [--layers N --hidden H --batch B --steps S]
 """
 from __future__ import annotations
@@ -50,16 +60,37 @@ class MemoryOptions:
     reshard: tuple = (True, False)
     control: bool = True               # also run each world's collectives without a model
     timeout: float = 900.0
+    # the recompute row (None: left out): the block stack's blocks, width, inner width, rows a
+    # rank and steps; 8 x 4096 x 512 float32 intermediates are 8 MiB a block, 64 MiB a rank,
+    # against 128 KiB of weights a block
+    recompute_layers: Optional[int] = 8
+    recompute_hidden: int = 32
+    recompute_ffn: int = 512
+    recompute_rows: int = 4096
+    recompute_steps: int = 2
+    # ranks of its own for the pair (~20 s more on 2 cores); else it runs in the first world's
+    # control ranks, after the control: the same difference, both peaks ~10 MiB lower (what the
+    # control leaves that the pair reuses; docs/benchmarks/memory.md)
+    recompute_alone: bool = True
 
     @classmethod
     def quick(cls) -> "MemoryOptions":
         # the default stack's shape and both modes, fewer steps: the steady state is reached
-        # after the first step (every buffer the step needs exists by then)
-        return cls(steps=2)
+        # after the first step (every buffer the step needs exists by then); the recompute
+        # pair's peak is its first step's too (the same activations every step), and it rides
+        # in the control's ranks rather than pay a launch
+        return cls(steps=2, recompute_steps=1, recompute_alone=False)
 
     def worker_args(self) -> list:
         return ["--layers", str(self.layers), "--hidden", str(self.hidden),
                 "--batch", str(self.batch), "--steps", str(self.steps)]
+
+    def recompute_args(self) -> list:
+        return ["--recompute-pair", "--recompute-layers", str(self.recompute_layers),
+                "--recompute-hidden", str(self.recompute_hidden),
+                "--recompute-ffn", str(self.recompute_ffn),
+                "--recompute-rows", str(self.recompute_rows),
+                "--recompute-steps", str(self.recompute_steps)]
 
     @property
     def model_bytes(self) -> int:
@@ -86,10 +117,44 @@ class Run:
 
 
 @dataclass
+class RecomputeRow:
+    """The block stack trained with and without recompute on every block, in the same ranks."""
+    world: int
+    with_recompute: Run
+    without: Run
+    alone: bool = True          # ranks of its own, or after the collectives-only control
+
+    @property
+    def saved_per_block_bytes(self) -> int:
+        """Counted per rank on that rank's rows; the largest (every rank has as many rows)."""
+        return max(r["saved_per_block_bytes"] for r in self.without.records)
+
+    @property
+    def blocks(self) -> int:
+        return self.without.records[0]["layers"]
+
+    @property
+    def saved_bytes(self) -> int:
+        """The activations recompute drops from what the forward keeps: every block's."""
+        return self.blocks * self.saved_per_block_bytes
+
+    @property
+    def expected_drop_bytes(self) -> int:
+        """What the peak should lose: backward rebuilds one block's at a time."""
+        return (self.blocks - 1) * self.saved_per_block_bytes
+
+    @property
+    def drop_bytes(self) -> int:
+        """Measured, on the largest rank of each (what a card must hold)."""
+        return self.without.growth_bytes - self.with_recompute.growth_bytes
+
+
+@dataclass
 class MemoryResult:
     options: MemoryOptions
     runs: list
     controls: dict = field(default_factory=dict)     # world -> the collectives-only Run
+    recompute: Optional[RecomputeRow] = None
 
     def run(self, world: int, reshard: Optional[bool] = True) -> Run:
         return next(r for r in self.runs
@@ -142,14 +207,17 @@ def _run_unsharded(options: MemoryOptions, out_dir: Path) -> Run:
     return Run("unsharded", 1, None, _records(out_dir, 1, "unsharded"))
 
 
-def _launch(options: MemoryOptions, out_dir: Path, world: int, name: str, flags: list) -> list:
+def _launch(options: MemoryOptions, out_dir: Path, world: int, name: Optional[str],
+            flags: list, label: Optional[str] = None) -> list:
+    """Run the worker on ``world`` ranks; the records published under ``name`` (None: none
+    read here). ``label`` names the launch in errors (default ``name``)."""
     from gradpool.app.launch import LaunchError, run_ranks
     try:
         run_ranks(WORKER, [str(out_dir), *flags, *options.worker_args()], nproc=world,
                   log_dir=out_dir / "logs", report_dir=out_dir, timeout=options.timeout)
     except LaunchError as exc:
-        raise MemoryBenchmarkError(f"{name}: {exc}") from None
-    return _records(out_dir, world, name)
+        raise MemoryBenchmarkError(f"{label or name}: {exc}") from None
+    return _records(out_dir, world, name) if name is not None else []
 
 
 def _run_sharded(options: MemoryOptions, out_dir: Path, world: int, reshard: bool) -> Run:
@@ -160,21 +228,45 @@ def _run_sharded(options: MemoryOptions, out_dir: Path, world: int, reshard: boo
     return run
 
 
-def _run_control(options: MemoryOptions, out_dir: Path, world: int) -> Run:
+def _pair(out_dir: Path, world: int) -> RecomputeRow:
+    runs = {on: Run(f"W={world} recompute={on}", world, True,
+                    _records(out_dir, world, f"W={world} recompute={on}"))
+            for on in (True, False)}
+    return RecomputeRow(world, runs[True], runs[False],
+                        alone=not runs[True].records[0].get("after_control", False))
+
+
+def _run_control(options: MemoryOptions, out_dir: Path, world: int, recompute: bool = False):
+    """The control's Run, and with ``recompute`` the RecomputeRow its ranks ran after it."""
     name = f"W={world} collectives only"
-    return Run(name, world, None, _launch(options, out_dir, world, name, ["--collectives-only"]))
+    flags = ["--collectives-only"] + (options.recompute_args() if recompute else [])
+    control = Run(name, world, None, _launch(options, out_dir, world, name, flags))
+    return control, (_pair(out_dir, world) if recompute else None)
+
+
+def _run_recompute_alone(options: MemoryOptions, out_dir: Path, world: int) -> RecomputeRow:
+    _launch(options, out_dir, world, None, options.recompute_args(),
+            label=f"W={world} recompute pair")
+    return _pair(out_dir, world)
 
 
 def run(options: MemoryOptions = MemoryOptions(), out_dir=None) -> MemoryResult:
     """Every configuration, one after the other (they would share the cores)."""
     base = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="gp-memory-"))
     result = MemoryResult(options, [_run_unsharded(options, base / "unsharded")])
+    pair_world = options.worlds[0] if options.recompute_layers is not None else None
     for world in options.worlds:
         for reshard in options.reshard:
             result.runs.append(_run_sharded(options, base / f"w{world}-{str(reshard).lower()}",
                                             world, reshard))
+        ride = world == pair_world and not options.recompute_alone
         if options.control:
-            result.controls[world] = _run_control(options, base / f"w{world}-control", world)
+            result.controls[world], row = _run_control(options, base / f"w{world}-control",
+                                                       world, recompute=ride)
+            result.recompute = result.recompute or row
+        if world == pair_world and result.recompute is None:
+            result.recompute = _run_recompute_alone(options, base / f"w{world}-recompute",
+                                                    world)
     return result
 
 
@@ -206,6 +298,8 @@ def report_lines(result: MemoryResult) -> list:
                      f"stack's all-gathers and reduce-scatters on buffers made before the "
                      f"baseline); reshard=True net of it {_mib(net)} MiB "
                      f"({net / unsharded:.2f}x unsharded, a diagnostic, not the headline)")
+    if result.recompute is not None:
+        lines.extend(recompute_lines(result.recompute))
     # the headline is the default, reshard_after_forward=True, nothing subtracted
     lines.append("memory: " + ", ".join(
         f"W={w} {_mib(result.run(w).growth_bytes)} MiB ({result.ratio(w):.2f}x unsharded)"
@@ -213,9 +307,28 @@ def report_lines(result: MemoryResult) -> list:
     return lines
 
 
+def recompute_lines(row: RecomputeRow) -> list:
+    first = row.without.records[0]
+    on = ", ".join(_mib(r["growth_bytes"]) for r in row.with_recompute.records)
+    off = ", ".join(_mib(r["growth_bytes"]) for r in row.without.records)
+    return [
+        f"  W={row.world} recompute: {row.blocks} blocks {first['hidden']} -> {first['ffn']} -> "
+        f"{first['hidden']}, {first['rows']} rows a rank, {first['steps']} step(s), "
+        f"{'ranks of its own' if row.alone else 'after the control in its ranks'}; peak per "
+        f"rank with Cell.recompute() {on} MiB, without {off} MiB: "
+        f"{_mib(row.drop_bytes)} MiB less",
+        f"    activations recompute drops {_mib(row.saved_bytes)} MiB a rank ({row.blocks} x "
+        f"{_mib(row.saved_per_block_bytes)} MiB, a block's saved intermediates counted with "
+        f"saved-tensor hooks); backward rebuilds one block's at a time, so the peak should "
+        f"lose about {_mib(row.expected_drop_bytes)} MiB"
+        + (f" (measured {row.drop_bytes / row.expected_drop_bytes:.0%} of that)"
+           if row.expected_drop_bytes else "")]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps (under 3 minutes)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer steps; the recompute pair in the control's ranks")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--hidden", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None)
