@@ -420,6 +420,7 @@ class ParamPlan:
     shard_padding_elements_rank0: int
     shard_padding_elements_last: int
     main_grad_bytes: int
+    shard_grad_bytes: int                 # plain mode: the shard gradients autograd owns
     optimizer_state_bytes: int
     optimizer: str
     compute_dtype: str
@@ -538,6 +539,10 @@ def plan_memory(cfg: RunConfig, options: PlanOptions = PlanOptions(),
         shard_padding_elements_rank0=shard_numel - valid[0],
         shard_padding_elements_last=shard_numel - valid[1],
         main_grad_bytes=shard_numel * 4 if use_main_grad else 0,
+        # without main_grad, value_and_grad returns copies of the reduced shards (pool memory
+        # never leaves the pool), held until the optimizer step; main_grad mode returns shared
+        # zeros
+        shard_grad_bytes=0 if use_main_grad else shard_numel * 4,
         optimizer_state_bytes=optimizer,
         optimizer=cfg.train.optimizer,
         compute_dtype=geo.compute_dtype,
@@ -597,8 +602,8 @@ def plan_memory(cfg: RunConfig, options: PlanOptions = PlanOptions(),
     gathered = unit_numel * ITEMSIZE[geo.compute_dtype]
     hccl = communicators * 2 * buffsize * MIB if cfg.launch.device == "Ascend" else 0
     memory = options.device_memory_gib or DEVICE_MEMORY_GIB.get(cfg.launch.device)
-    state_and_pool = params.shard_bytes + params.main_grad_bytes + optimizer + pool.high_water \
-        + hccl
+    state_and_pool = params.shard_bytes + params.main_grad_bytes + params.shard_grad_bytes \
+        + optimizer + pool.high_water + hccl
     at_once = _gathered_at_once(cfg, geo)
     context = ContextPlan(
         largest_unit=largest.name, largest_unit_gathered_bytes=gathered,
@@ -672,6 +677,8 @@ def format_plan(plan: MemoryPlan, source: str = "") -> str:
     rows = [
         ("parameter shards (float32)", p.shard_bytes, "persistent"),
         ("main_grad (float32)", p.main_grad_bytes, "persistent"),
+        ("shard gradients returned (plain mode)", p.shard_grad_bytes,
+         "autograd's copies of the reduced shards, until the optimizer step"),
         (f"optimizer state ({p.optimizer})", p.optimizer_state_bytes, "persistent"),
         ("pool: high-water (replay of 2 steps)", pool.high_water_bytes,
          f"{pool.buckets} buckets, reserved once; "
