@@ -238,7 +238,6 @@ def test_override_accepts_bool_strings(text, value):
 def test_override_parses_yaml_scalars():
     assert parse_override("train.learning_rate=1e-4").value == pytest.approx(1e-4)
     assert parse_override("launch.master_port=null").value is None
-    assert parse_override("launch.log_dir=").value is None
     assert parse_override("launch.log_dir=a=b").value == "a=b"  # split on the first '='
     assert parse_override("model.seq_len=16") == Override("model", "seq_len", 16, "model.seq_len=16")
 
@@ -345,7 +344,7 @@ SIMPLE = {
     "train.optimizer": st.sampled_from(["adam", "sgd"]),
     "train.resume_from": st.none() | st.text(
         st.characters(whitelist_categories=("L", "N"), whitelist_characters="/_-. "),
-        min_size=1, max_size=20).filter(lambda s: s.strip() == s),
+        min_size=1, max_size=20).filter(lambda s: s.strip() == s and s != "latest"),
     "launch.ranks": st.integers(1, 8),      # within one host's bound on CPU and Ascend
     "launch.device": st.sampled_from(["CPU", "Ascend"]),
     "launch.master_port": st.none() | st.integers(1, 65535),
@@ -385,10 +384,11 @@ def checkpoint_saving(draw):
     """save_every needs save_dir: drawn together so every set is valid."""
     save_dir = draw(SIMPLE["launch.log_dir"])
     every = draw(st.none() | st.integers(1, 10_000)) if save_dir is not None else None
-    return {"train.save_dir": save_dir, "train.save_every": every}
+    keep = draw(st.none() | st.integers(1, 100)) if save_dir is not None else None
+    return {"train.save_dir": save_dir, "train.save_every": every, "train.keep_last": keep}
 
 
-SAVE_KEYS = {"train.save_dir", "train.save_every"}
+SAVE_KEYS = {"train.save_dir", "train.save_every", "train.keep_last"}
 
 
 def test_property_strategies_cover_every_key():

@@ -11,7 +11,15 @@ the trajectory besides the state: the model's shape, the global batch (``model.b
 per rank, so at another world size it must change to keep the same batches), the seed, the
 micro-steps, the optimizer and its learning rate (a Parameter of the optimizer's state, which the
 load would restore over the config's). A run that differs in any of them is refused before it
-starts (:func:`check_resume`); ``train.steps`` may grow.
+starts (:func:`check_resume`); ``train.steps`` may grow. So do the ``fully_shard`` settings that
+change the gradients (``FULLY_SHARD_KEYS``): a checkpoint that records none of them (saved before
+they were recorded) is accepted with a warning.
+
+``train.resume_from: latest`` resumes from the newest committed, intact ``step-<N>`` directory
+under ``train.save_dir`` (:func:`find_latest`; a newer one that is uncommitted or damaged is
+skipped and logged); with no committed checkpoint there the run starts from step 0 and says so,
+as Megatron's and torchtitan's do. ``train.keep_last: N`` removes, after each save, the committed
+step directories older than the newest N (:func:`prune`).
 
 Every rank of the job calls :func:`save_step` and :func:`resume` (the checkpoint API's
 collectives); the launcher calls :func:`read_checkpoint` and :func:`check_resume` before anything
@@ -21,6 +29,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -38,6 +49,11 @@ LAST_CHECKPOINT = "last_checkpoint"
 STEP_DIR_PREFIX = "step-"
 # What decides the batches and the updates besides the saved state (see the module docstring).
 TRAJECTORY_KEYS = ("seed", "micro_steps", "optimizer", "learning_rate")
+# fully_shard settings that change the gradients or the sharding a run trains with
+FULLY_SHARD_KEYS = ("reduce_op", "gradient_scaling_factor", "reduce_dtype", "param_dtype",
+                    "apply_grad_on_fp32_main_grad", "mesh_shape")
+LATEST = "latest"           # train.resume_from's keyword
+_STEP_NAME = re.compile(r"^step-(\d{8})$")
 
 
 def step_dir(save_dir, steps_done: int) -> Path:
@@ -60,7 +76,13 @@ def run_extra(cfg: RunConfig, world: int) -> dict:
     return {"writer": WRITER, "world_size": world,
             "global_batch": cfg.model.batch_size * world,
             "model": dataclasses.asdict(cfg.model),
-            "train": {key: getattr(cfg.train, key) for key in TRAJECTORY_KEYS}}
+            "train": {key: getattr(cfg.train, key) for key in TRAJECTORY_KEYS},
+            "fully_shard": {key: _plain(getattr(cfg.fully_shard, key))
+                            for key in FULLY_SHARD_KEYS}}
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
 
 
 @dataclass(frozen=True)
@@ -108,6 +130,15 @@ def check_resume(cfg: RunConfig, info: CheckpointInfo, world: int) -> None:
     saved_train = extra.get("train", {})
     for key in TRAJECTORY_KEYS:
         _check_same(f"train.{key}", saved_train.get(key), getattr(cfg.train, key), where)
+    saved_fs = extra.get("fully_shard")
+    if not isinstance(saved_fs, dict):
+        logger.warning("%s records no fully_shard settings (saved before they were recorded): "
+                       "resuming without checking %s", where, ", ".join(
+                           f"fully_shard.{key}" for key in FULLY_SHARD_KEYS))
+        return
+    for key in FULLY_SHARD_KEYS:
+        _check_same(f"fully_shard.{key}", saved_fs.get(key),
+                    _plain(getattr(cfg.fully_shard, key)), where)
 
 
 def _check_same(key: str, saved: Any, now: Any, where: str) -> None:
@@ -137,14 +168,151 @@ def _check_global_batch(cfg: RunConfig, extra: dict, world: int, where: str) -> 
         f"has {now} ({cfg.model.batch_size} x {world}): the batches would differ; {hint}")
 
 
+# -- the step directories of a save_dir: latest and retention ---------------------------------
+def step_dirs(save_dir) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``step-<8 digits>`` directory directly in ``save_dir`` (not a
+    symlink: nothing outside it is ever ours), oldest first."""
+    root = Path(save_dir)
+    try:
+        children = list(root.iterdir())
+    except OSError:
+        return []
+    found = []
+    for child in children:
+        match = _STEP_NAME.match(child.name)
+        if match and child.is_dir() and not child.is_symlink():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def find_latest(save_dir) -> tuple[Optional[CheckpointInfo], list[str]]:
+    """The newest committed, intact step checkpoint under ``save_dir`` (None: none committed)
+    and, newest first, why each newer step directory was passed over. Intact: every rank file's
+    size, save id and header agree with the index (:func:`read_checkpoint`; the checksums are
+    the ranks' own load's), and the index holds the step its name says. A ``save_dir`` whose
+    committed checkpoints are all damaged is a :class:`CheckpointError` naming each: starting
+    from step 0 over them would throw the training away."""
+    from hyper_parallel.checkpoint import files
+    skipped, damaged = [], []
+    for step, path in reversed(step_dirs(save_dir)):
+        if not (path / files.INDEX).is_file():
+            skipped.append(f"{path.name}: not committed (no {files.INDEX}: a save that did not "
+                           "finish)")
+            continue
+        try:
+            info = read_checkpoint(path)
+            if info.step != step:
+                raise CheckpointError(f"{path / files.INDEX} holds step {info.step}, its "
+                                      f"directory's name says {step}")
+        except CheckpointError as exc:
+            reason = " ".join(str(exc).split())
+            skipped.append(f"{path.name}: damaged ({reason})")
+            damaged.append(f"{path.name}: {reason}")
+            continue
+        return info, skipped
+    if damaged:
+        raise CheckpointError(
+            f"train.resume_from = {LATEST!r}: every committed checkpoint under {save_dir} is "
+            f"damaged ({'; '.join(damaged)}); repair or move them away, or name a step "
+            "directory in train.resume_from")
+    return None, skipped
+
+
+def resolve_latest(cfg: RunConfig) -> tuple[RunConfig, Optional[CheckpointInfo], list[str]]:
+    """``cfg`` with ``train.resume_from: latest`` replaced by the newest committed, intact step
+    directory (or by null: none committed, start from step 0), that checkpoint's info, and the
+    lines that say what was chosen and what skipped. Other configs come back unchanged."""
+    train = cfg.train
+    if train.resume_from != LATEST:
+        return cfg, None, []
+    info, skipped = find_latest(train.save_dir)
+    notes = [f"train.resume_from = latest: skipped {why}" for why in skipped]
+    if info is None:
+        notes.append(f"train.resume_from = latest: no committed checkpoint under "
+                     f"{train.save_dir}; starting from step 0")
+        resolved = None
+    else:
+        notes.append(f"train.resume_from = latest: {info.path} (step {info.step})")
+        resolved = str(info.path)
+    return dataclasses.replace(cfg, train=dataclasses.replace(train, resume_from=resolved)), \
+        info, notes
+
+
+def prune(save_dir, keep_last: int, saved_step: int) -> list[str]:
+    """After the checkpoint of ``saved_step`` committed: remove the step directories older than
+    it that are not among the newest ``keep_last`` committed ones (``saved_step``'s counted), and
+    older uncommitted ones (killed saves). Never the one just saved, never a newer one (left by an
+    earlier run that went further), never a directory another writer holds the lock of, never
+    anything but a ``step-<N>`` directory holding only what a save writes. Each is uncommitted
+    first (its index removed under its lock), so a removal cut short leaves an uncommitted
+    directory, which :func:`find_latest` skips. The paths removed, oldest first."""
+    from hyper_parallel.checkpoint import files
+    older = [(step, path) for step, path in step_dirs(save_dir) if step < saved_step]
+    committed = [path for _, path in older if (path / files.INDEX).is_file()]
+    keep = set(committed[-(keep_last - 1):] if keep_last > 1 else [])
+    removed = []
+    for _, path in older:
+        if path in keep or not _only_ours(path):
+            continue
+        if _remove_step(path):
+            removed.append(str(path))
+    return removed
+
+
+def removed_text(saved: dict) -> str:
+    """What a saved step's line adds for the directories :func:`prune` removed after it."""
+    removed = saved.get("removed") or []
+    if not removed:
+        return ""
+    return f"; removed {', '.join(Path(p).name for p in removed)} (train.keep_last)"
+
+
+_SAVE_NAMES = re.compile(r"^(index\.json|index\.json\..+\.tmp|\.lock|gen-\d{8})$")
+
+
+def _only_ours(path: Path) -> bool:
+    try:
+        return all(_SAVE_NAMES.match(child.name) for child in path.iterdir())
+    except OSError:
+        return False
+
+
+def _remove_step(path: Path) -> bool:
+    """Remove one step directory under its save lock; False when another writer holds it."""
+    import fcntl
+    from hyper_parallel.checkpoint import files
+    try:
+        fd = os.open(path / files.DirectoryLock.NAME, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as exc:
+        logger.warning("train.keep_last: cannot remove %s: %s", path, exc)
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.warning("train.keep_last: %s is being saved by another writer; left", path)
+            return False
+        (path / files.INDEX).unlink(missing_ok=True)        # uncommitted from here on
+        shutil.rmtree(path, ignore_errors=True)
+        return not path.exists()
+    finally:
+        os.close(fd)
+
+
 # -- on the ranks ------------------------------------------------------------------------------
-def save_step(cfg: RunConfig, model, optimizer, steps_done: int, world: int) -> dict:
-    """Save after ``steps_done`` steps (every rank calls it); what the step line shows."""
+def save_step(cfg: RunConfig, model, optimizer, steps_done: int, world: int,
+              rank: int = 0) -> dict:
+    """Save after ``steps_done`` steps (every rank calls it); what the step line shows. With
+    ``train.keep_last``, rank 0 then removes the step directories beyond the newest N
+    (``removed``)."""
     from hyper_parallel import checkpoint
     result = checkpoint.save(step_dir(cfg.train.save_dir, steps_done), model, optimizer,
                              step=steps_done, extra=run_extra(cfg, world))
+    removed = []
+    if cfg.train.keep_last is not None and rank == 0:     # committed on every rank by now
+        removed = prune(cfg.train.save_dir, cfg.train.keep_last, steps_done)
     return {"step": steps_done, "path": result.path, "bytes": result.total_bytes,
-            "seconds": result.seconds}
+            "seconds": result.seconds, "removed": removed}
 
 
 def resume(cfg: RunConfig, model, optimizer, world: int) -> dict:

@@ -195,7 +195,7 @@ def _train(args) -> int:
     if cfg is None:
         return EXIT_USAGE
     cfg = _checkpoint_paths(cfg)
-    resume = _checked_resume(cfg)
+    cfg, resume, notes = _checked_resume(cfg)
     if resume is False or not _save_dir_writable(cfg, args.config):
         return EXIT_USAGE
     from gradpool.app.job import TrainJobError, compare_with_reference, prepare_log_dir, run_job
@@ -212,6 +212,8 @@ def _train(args) -> int:
         print(f"gradpool train: {launch.ranks} {launch.device} rank(s) {where}, config "
               f"{args.config}" + (f" with {', '.join(args.overrides)}" if args.overrides else ""),
               flush=True)
+    for note in notes:
+        print(f"gradpool train: {note}", flush=True)
     if resume is not None:
         print(f"gradpool train: resuming from {resume.path} at step {resume.step} of "
               f"{cfg.train.steps} (saved at {resume.world_size} rank(s))", flush=True)
@@ -265,24 +267,29 @@ def _checkpoint_paths(cfg: RunConfig) -> RunConfig:
     """``train.save_dir`` and ``train.resume_from`` made absolute: the ranks, and the messages,
     then name the directories the user meant, whatever directory a rank runs in."""
     train = cfg.train
-    paths = {key: os.path.abspath(getattr(train, key)) for key in ("save_dir", "resume_from")
-             if getattr(train, key) is not None}
+    from gradpool.app.checkpoints import LATEST
+    paths = {key: os.path.abspath(value) for key, value in (("save_dir", train.save_dir),
+                                                             ("resume_from", train.resume_from))
+             if value is not None and not (key == "resume_from" and value == LATEST)}
     return dataclasses.replace(cfg, train=dataclasses.replace(train, **paths)) if paths else cfg
 
 
 def _checked_resume(cfg: RunConfig):
-    """The checkpoint ``train.resume_from`` names, checked against the run before anything is
-    launched (None: no resume; False: refused, after printing why in one line)."""
-    if cfg.train.resume_from is None:
-        return None
-    from gradpool.app.checkpoints import check_resume, read_checkpoint
+    """``(cfg, checkpoint, notes)``: the checkpoint ``train.resume_from`` names, checked against
+    the run before anything is launched (None: no resume; False: refused, after printing why in
+    one line). ``latest`` is resolved here, so the ranks load the step found now (``cfg`` names
+    it) and ``notes`` say which, and which newer directories were skipped and why."""
+    from gradpool.app.checkpoints import check_resume, read_checkpoint, resolve_latest
     try:
-        info = read_checkpoint(cfg.train.resume_from)
+        cfg, info, notes = resolve_latest(cfg)
+        if cfg.train.resume_from is None:
+            return cfg, None, notes
+        info = info or read_checkpoint(cfg.train.resume_from)
         check_resume(cfg, info, cfg.launch.ranks)
     except (CheckpointError, StateMismatchError, ConfigError) as exc:
         print(f"gradpool train: cannot resume: {_one_line(exc)}", file=sys.stderr)
-        return False
-    return info
+        return cfg, False, []
+    return cfg, info, notes
 
 
 def _save_dir_writable(cfg: RunConfig, config: str) -> bool:
@@ -312,8 +319,9 @@ def _print_step(total: int):
               flush=True)
         if record.saved is not None:       # its own line: the step line keeps its format
             saved = record.saved
+            from gradpool.app.checkpoints import removed_text
             print(f"saved step {saved['step']} to {saved['path']} ({_bytes(saved['bytes'])}, "
-                  f"{saved['seconds']:.2f} s)", flush=True)
+                  f"{saved['seconds']:.2f} s){removed_text(saved)}", flush=True)
     return show
 
 

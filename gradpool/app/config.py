@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -75,6 +76,14 @@ class RunConfig:
                     f"RunConfig.{name} must be a {cls.__name__}, got {value!r}; build it with "
                     f"{cls.__name__}(...) or load a file with load_config",
                     key=name, given=value, allowed=cls.__name__)
+        mesh = self.fully_shard.mesh_shape
+        if mesh is not None and math.prod(mesh) != self.launch.ranks:
+            raise ConfigValueError(
+                f"fully_shard.mesh_shape = {list(mesh)} covers {math.prod(mesh)} rank(s), but "
+                f"launch.ranks = {self.launch.ranks}; give a mesh whose sizes multiply to "
+                f"{self.launch.ranks} (or null: shard over every rank)",
+                key="fully_shard.mesh_shape", given=mesh,
+                allowed=f"sizes whose product is launch.ranks ({self.launch.ranks})")
 
     def to_dict(self) -> dict:
         """Plain nested dict of builtins; ``from_dict(cfg.to_dict()) == cfg``."""
@@ -130,7 +139,12 @@ def parse_override(text: str) -> Override:
     section, key = (p.strip() for p in parts)
     key = _current_name(section, key, source)
     _check_known(section, key, source)
-    value = _parse_yaml(raw_value.strip(), source) if raw_value.strip() else None
+    if not raw_value.strip():
+        # an unset shell variable (--set train.resume_from=$LAST) must not quietly mean null
+        raise OverrideSyntaxError(
+            f"{source}: the value of {section}.{key} is empty; give a value, or write "
+            f"{section}.{key}=null to unset the key")
+    value = _parse_yaml(raw_value.strip(), source)
     if isinstance(value, list) and isinstance(_rules(section)[key], ListOf):
         return Override(section, key, value, text)       # e.g. fully_shard.mesh_shape=[2,2]
     if isinstance(value, dict) and isinstance(_rules(section)[key], EnvMapping):
@@ -212,7 +226,13 @@ def from_dict(data: Optional[Mapping], overrides: Iterable[str | Override] = (),
     sections = {name: _build_section(name, {key: values[(name, key)] for key in _rules(name)
                                             if (name, key) in values}, source, parsed)
                 for name in _SECTIONS}
-    return RunConfig(**sections)
+    try:
+        return RunConfig(**sections)
+    except ConfigValueError as exc:      # a check across sections: name where the config came from
+        origin = source + (" with overrides " + ", ".join(repr(o.text) for o in parsed)
+                           if parsed else "")
+        raise ConfigValueError(f"{origin}: {exc}", key=exc.key, given=exc.given,
+                               allowed=exc.allowed) from None
 
 
 def _read(section: str, key: str, given: tuple) -> Any:

@@ -60,7 +60,7 @@ MEANINGS = {
     "fully_shard.reduce_op": "`avg` or `sum` across ranks",
     "fully_shard.mesh_shape":
         "null: shard over every rank; `[S]`, or `[R, S]` for HSDP (R replicas of S-way shards, "
-        "R x S = the ranks); `--set fully_shard.mesh_shape=[2,2]`",
+        "R x S = `launch.ranks`, else refused); `--set fully_shard.mesh_shape=[2,2]`",
     "fully_shard.mesh_dim_names":
         "one name per dim of `mesh_shape`, e.g. `[dp_replicate, fsdp]`",
     "fully_shard.gradient_scaling_factor": "reduced gradients are multiplied by this",
@@ -105,7 +105,13 @@ MEANINGS = {
         "`save_every` without `save_dir` is refused",
     "train.resume_from":
         "a `step-<N>` directory of an earlier run: load it at this run's world size and "
-        "continue with step N+1",
+        "continue with step N+1; `latest`: the newest committed, intact `step-<N>` under "
+        "`save_dir` (none there: start from step 0 and say so; see "
+        "[Resuming the latest](checkpoints.md#resuming-the-latest-checkpoint)); a directory "
+        "called `latest` is `./latest`",
+    "train.keep_last":
+        "after each save keep only the newest this many committed `step-<N>` directories "
+        "(older ones removed, never the one just saved; needs `save_dir`); null: keep all",
     "launch.ranks":
         "the world size (msrun's `worker_num`); at most 4 ranks per CPU core, 16 Ascend cards, "
         "per node",

@@ -100,9 +100,18 @@ class TrainConfig(_Section):
     # Checkpoints go to <save_dir>/step-<8 digits> (gradpool.app.checkpoints); null: none.
     save_dir: Optional[str] = _key(None, Text(nullable=True))
     save_every: Optional[int] = _key(None, Int(minimum=1, nullable=True))  # null: at the end
-    resume_from: Optional[str] = _key(None, Text(nullable=True))   # a step-<N> directory
+    # a step-<N> directory, or "latest": the newest committed, intact one under save_dir
+    resume_from: Optional[str] = _key(None, Text(nullable=True))
+    keep_last: Optional[int] = _key(None, Int(minimum=1, nullable=True))   # null: keep all
 
     def _check_together(self, source: str) -> None:
+        for key, value in (("keep_last", self.keep_last),
+                           ("resume_from", "latest" if self.resume_from == "latest" else None)):
+            if value is not None and self.save_dir is None:
+                raise ConfigValueError(
+                    f"{source}: train.{key} = {value!r} needs train.save_dir, which is null; set "
+                    f"train.save_dir to where the checkpoints are (or train.{key} to null)",
+                    key=f"train.{key}", given=value, allowed="null unless train.save_dir is set")
         if self.save_every is not None and self.save_dir is None:
             # without a directory the run would train for hours and keep nothing
             raise ConfigValueError(

@@ -144,6 +144,8 @@ def run_rank(cfg: RunConfig, out_dir, on_step: Optional[Callable] = None,
         runtime = runtime_for(cfg.gradpool)
         optimizer = optimizer_for(cfg, model.trainable_params())
         first_step = 0
+        if cfg.train.resume_from == checkpoints.LATEST:
+            cfg = _resolve_latest(cfg, runtime.comm, log_steps)
         if cfg.train.resume_from is not None:
             outcome.resumed = _resume(cfg, model, optimizer, runtime.comm)
             first_step = outcome.resumed["step"]
@@ -154,7 +156,7 @@ def run_rank(cfg: RunConfig, out_dir, on_step: Optional[Callable] = None,
         def write(record) -> None:
             if checkpoints.save_due(cfg, record.step + 1):
                 record.saved = checkpoints.save_step(cfg, model, optimizer, record.step + 1,
-                                                     world)
+                                                     world, rank)
                 outcome.saved.append(record.saved)
                 reporter.publish(checkpoints.LAST_CHECKPOINT, {"path": record.saved["path"],
                                                                 "step": record.saved["step"]})
@@ -215,15 +217,35 @@ def step_line(cfg: RunConfig, record, rank: int, world: int) -> str:
 
 
 def saved_line(saved: dict) -> str:
-    """A saved checkpoint in the rank's log (the bytes are every rank's files together)."""
-    return (f"saved step {saved['step']} to {saved['path']} ({saved['bytes']} B, "
+    """A saved checkpoint in the rank's log (the bytes are every rank's files together), and
+    the step directories ``train.keep_last`` removed after it."""
+    line = (f"saved step {saved['step']} to {saved['path']} ({saved['bytes']} B, "
             f"{saved['seconds']:.2f} s)")
+    return line + checkpoints.removed_text(saved)
 
 
 def resumed_line(resumed: dict) -> str:
     return (f"resumed from {resumed['path']} at step {resumed['step']} (saved at "
             f"{resumed['world_size']} ranks; {resumed['bytes_read']} B read by this rank, "
             f"{resumed['seconds']:.2f} s)")
+
+
+def _resolve_latest(cfg: RunConfig, comm, log_steps: bool) -> RunConfig:
+    """``train.resume_from: latest`` resolved by the ranks themselves (a scheduler started them
+    with ``gradpool launch-cmd``'s commands; ``gradpool train`` resolves it before the launch):
+    every rank must find the same step, else every rank raises."""
+    cfg, info, notes = checkpoints.resolve_latest(cfg)
+    if log_steps and comm.rank == 0:
+        for note in notes:
+            print(note, flush=True)
+    mine = info.step + 1 if info is not None else 0
+    found = {row[0] for row in exchange(comm, [mine], (("step", int),))}
+    if len(found) > 1:
+        raise CheckpointError(
+            f"train.resume_from = latest: the ranks found different checkpoints under "
+            f"{cfg.train.save_dir} (steps {sorted(s - 1 for s in found)}; -1: none); is another "
+            "run saving there? Name a step directory in train.resume_from")
+    return cfg
 
 
 def _resume(cfg: RunConfig, model, optimizer, comm) -> dict:
