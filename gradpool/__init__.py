@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from gradpool.layout import GradSlot, ReduceScatterLayout, fusion_groups
     from gradpool.pack import Written, chunk_rows, flat_view, local_shard, shard_views, unshard
     from gradpool.writers import accumulate as accumulate_bucket
+    from gradpool.writers import add_in_place
     from gradpool.writers import pack as pack_bucket
     from gradpool.writers import unpack_gathered
     from gradpool.pool import BucketPool, Fence, Lease, PoolStats, as_fence, fence_done

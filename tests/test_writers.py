@@ -179,3 +179,22 @@ def test_a_lazily_initialized_gradient_is_refused_with_nothing_written(host):
     writers.pack(lease, [lazy], layout, host=host)
     np.testing.assert_array_equal(values(lease.tensor), np.ones(16, np.float32))
     lease.release()
+
+
+def test_add_in_place_adds_into_the_same_tensor_exactly_as_mindspore_does():
+    """main_grad's accumulate on CPU: the target object itself holds the sum afterwards (the
+    values MindSpore's own add gives, bit for bit), the addend is untouched; a pair it cannot add
+    through host memory (a strided view, another dtype or size) is left alone, False."""
+    rng = np.random.default_rng(3)
+    start = rng.standard_normal(1000).astype(np.float32)
+    addend_np = rng.standard_normal(1000).astype(np.float32)
+    target, addend = ms.Tensor(start.copy()), ms.Tensor(addend_np.copy())
+    expected = ms.mint.add(ms.Tensor(start.copy()), ms.Tensor(addend_np.copy())).asnumpy()
+    assert writers.add_in_place(target, addend) is True
+    assert target.asnumpy().tobytes() == expected.tobytes()
+    assert addend.asnumpy().tobytes() == addend_np.tobytes()
+    strided = ms.Tensor(rng.standard_normal((10, 200)).astype(np.float32))[:, ::2]
+    for other in (strided, ms.Tensor(addend_np[:999]), ms.Tensor(addend_np.astype(np.float16))):
+        before = target.asnumpy().copy()
+        assert writers.add_in_place(target, other) is False
+        assert target.asnumpy().tobytes() == before.tobytes()

@@ -25,8 +25,8 @@ import numpy as np
 from mindspore import Parameter, mint
 
 from gradpool import (GradientIntegrityError, GradSlot, InvalidArgumentError, ReduceResult,
-                      ReduceScatterLayout, check_reduce_op, pack_bucket, synchronize,
-                      device_target, unpack_gathered, unshard, writable_view)
+                      ReduceScatterLayout, add_in_place, check_reduce_op, pack_bucket,
+                      synchronize, device_target, unpack_gathered, unshard, writable_view)
 
 logger = logging.getLogger(__name__)
 
@@ -235,17 +235,16 @@ class MindSporeHSDPParamV2:
         """``main_grad += reduced`` in float32 (created on the first reduce after zero_grad).
 
         ``main_grad`` never aliases the pool bucket ``reduced`` lives in (the bucket goes back to
-        the pool right after). Accumulating: in place on Ascend (``Tensor.add_``); on the CPU
-        backend ``add_`` of a plain tensor silently leaves it unchanged (measured, see the
-        MindSpore notes), so there the sum is a new tensor, one allocation per parameter per
-        accumulate, and the old one goes back to MindSpore's allocator."""
+        the pool right after). Accumulating: in place, on Ascend with ``Tensor.add_``, on the
+        CPU through host memory (:func:`gradpool.add_in_place`: there ``add_`` of a plain
+        tensor silently leaves it unchanged); a new tensor only where neither applies."""
         main = self.sharded_param.main_grad
         addend = reduced if reduced.dtype == ms.float32 else reduced.astype(ms.float32)
         if main is None:
             self.sharded_param.main_grad = owned_copy(reduced, ms.float32)
         elif self._add_in_place:
             main.add_(addend)
-        else:
+        elif not add_in_place(main, addend):
             self.sharded_param.main_grad = mint.add(main, addend)
 
     def launched(self) -> None:
