@@ -77,7 +77,7 @@ OUTCOME_FIELDS = (("ok", int), ("steps", int), ("verified_gradients", int),
                   ("bytes_reserved", int), ("high_water_bytes", int), ("bytes_copied", int),
                   ("copy_seconds", float), ("stall_seconds", float), ("stalls", int),
                   ("padding_bytes", int))
-LOAD_FIELDS = (("bytes_read", int), ("seconds", float))    # each rank's part of a resume
+LOAD_FIELDS = (("step", int), ("bytes_read", int), ("seconds", float))   # each rank's resume
 _DIGIT = 2 ** 16            # ints cross the float32 all-reduce as base-2^16 digits: exact
 _DIGITS = 4
 
@@ -252,7 +252,14 @@ def _resume(cfg: RunConfig, model, optimizer, comm) -> dict:
     """Load the checkpoint on every rank; the dict also holds what the job read in all
     (``job_bytes_read``) and how long the slowest rank took (``job_seconds``)."""
     resumed = checkpoints.resume(cfg, model, optimizer, comm.world_size)
-    rows = exchange(comm, [resumed["bytes_read"], resumed["seconds"]], LOAD_FIELDS)
+    rows = exchange(comm, [resumed["step"], resumed["bytes_read"], resumed["seconds"]],
+                    LOAD_FIELDS)
+    steps = sorted({row[0] for row in rows})
+    if len(steps) > 1:      # nodes that resolved `latest` apart while another run was saving
+        raise CheckpointError(
+            f"the ranks resumed from different steps {steps} (this one from {resumed['path']}); "
+            "every rank must load one checkpoint: name a step directory in train.resume_from")
+    rows = [row[1:] for row in rows]
     return {**resumed, "job_bytes_read": sum(row[0] for row in rows),
             "job_seconds": max(row[1] for row in rows)}
 

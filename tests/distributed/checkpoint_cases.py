@@ -38,7 +38,8 @@ REPLICATED = "layers.0.attn_norm.weight"
 MODEL = ["model.num_experts=3", "model.experts_per_token=2", "train.optimizer=adam",
          "gradpool.poison_on_release=true"]
 FLAT = []
-HSDP = ["fully_shard.mesh_shape=[2, 2]", "fully_shard.mesh_dim_names=[dp_replicate, fsdp]"]
+HSDP = ["fully_shard.mesh_shape=[2, 2]", "fully_shard.mesh_dim_names=[dp_replicate, fsdp]",
+        "launch.ranks=4"]      # a mesh covers launch.ranks
 
 
 def shared() -> Path:
