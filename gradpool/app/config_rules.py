@@ -182,10 +182,12 @@ class EnvValue:
     into bools, and the process would see ``True``."""
 
     def describe(self) -> str:
-        return "a string or a number"
+        return "a string (without NUL bytes) or a number"
 
     def coerce(self, value: Any, lenient: bool) -> str:
         if isinstance(value, str):
+            if "\0" in value:          # no process environment can hold it
+                raise _Reject()
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool) \
                 and math.isfinite(value):

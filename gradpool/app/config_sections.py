@@ -122,10 +122,11 @@ class TrainConfig(_Section):
 
 
 # Set by the launcher itself on every rank (msrun's dynamic-cluster variables, the rank report,
-# the card list): a value in launch.env would fight it, so it is refused there.
+# the card list, PATH with this interpreter first, so msrun's "python" is it): a value in
+# launch.env would fight it, so it is refused there.
 LAUNCHER_ENV = ("MS_ROLE", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_WORKER_NUM", "MS_NODE_ID",
                 "MS_TOPO_TIMEOUT", "RANK_ID", "RANK_SIZE", "DEVICE_ID",
-                "GRADPOOL_RANK_REPORT_DIR")
+                "GRADPOOL_RANK_REPORT_DIR", "GRADPOOL_LAUNCHER", "PATH")
 # launch.<key> -> the CANN environment variable it sets (HCCL, Ascend only). Names and ranges
 # from the CANN 9.x environment-variable reference (HCCL_CONNECT_TIMEOUT is [120, 7200] s,
 # HCCL_EXEC_TIMEOUT [0, 2147483647] s on Atlas A2 with 0 = never, HCCL_BUFFSIZE >= 1 MB per
