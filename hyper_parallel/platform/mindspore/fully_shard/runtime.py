@@ -103,9 +103,9 @@ class FullyShardRuntime:
             self.backward_pass = backward_engine()
             queue_end_of_backward(self.end_backward_pass)
 
-    def forward_started(self) -> None:
-        """A forward outside backward (or ``zero_grad``): a backward pass still recorded as
-        running raised before its end (autograd runs no final callback then, e.g. a refused
+    def recover_from_failed_backward(self) -> None:
+        """Before a forward outside backward, or at ``zero_grad``: a backward pass still recorded
+        as running raised before its end (autograd runs no final callback then, e.g. a refused
         recompute); every unit goes back to rest now, as after a forward that raised (a unit
         may hold a prefetch that backward launched, or its backward's gathered parameters)."""
         if self.backward_pass is None or in_backward():
@@ -113,10 +113,7 @@ class FullyShardRuntime:
         logger.warning("fully_shard: the last backward raised before its end; every unit's "
                        "gathered parameters and per-step state are reset")
         self.backward_pass, self.backward_units = None, {}
-        self.forward_order = []
-        for unit in self.live_units():
-            unit.reset_after_failure()
-        self.restore_cell_grad_flags()
+        self._reset_every_unit()
 
     def end_backward_pass(self) -> None:
         """Every gradient of the pass is computed. Unless a unit that ran is told more
@@ -142,6 +139,9 @@ class FullyShardRuntime:
         unit back to rest, so the next step and every later model start clean."""
         logger.warning("fully_shard: the forward of %s raised; every unit's gathered parameters "
                        "and per-step state are reset", type(cell).__name__)
+        self._reset_every_unit()
+
+    def _reset_every_unit(self) -> None:
         self.forward_order = []
         for unit in self.live_units():
             unit.reset_after_failure()
@@ -152,7 +152,7 @@ class FullyShardRuntime:
         inside ``value_and_grad`` (see :mod:`.autograd`): no unit is in a forward or backward and
         autograd runs no backward, yet MindSpore records. It is discarded, so the next step
         records a graph of its own. True when one was."""
-        self.forward_started()
+        self.recover_from_failed_backward()
         if in_backward() or not grad_graph_open():
             return False
         if any(unit.in_forward or unit.in_backward_use for unit in self.live_units()):

@@ -221,7 +221,7 @@ class HSDPUnitState:
         modules to run, so its backward receives every module's gradients at once. A unit run
         again in the same forward (weight reuse) gathers again: each use is its own autograd
         node, whose backward reduces that use's gradients (autograd sums the uses)."""
-        self.runtime.forward_started()
+        self.runtime.recover_from_failed_backward()
         if not self._recompute_checked:
             self.runtime.check_recompute_cells(self)
             self._recompute_checked = True
