@@ -4,7 +4,7 @@
     msrun ... python -m gradpool.app._rank_entry benchmarks/memory_worker.py OUT_DIR \\
         --reshard true [options]                                            # every rank
 
-The model (:class:`DenseStack`): ``layers`` square ``hidden x hidden`` float32 weights, each
+The model (:func:`build_stack`): ``layers`` square ``hidden x hidden`` float32 weights, each
 layer ``x = tanh(x @ W_i)``, then the root's own ``scale`` vector (``y = x * scale``, so the root
 unit has a parameter and a backward of its own), loss ``sum(y ** 2)``. Trained ``steps`` steps
 with plain SGD, no momentum, written by hand (``ops.assign(p, p - lr * g)``: ``nn.SGD`` would
@@ -20,7 +20,7 @@ What is measured, per process (VmHWM is per process, so one configuration per pr
 ``--recompute-pair`` compares activation recompute, in ranks of its own or after the
 ``--collectives-only`` control in its ranks (a launch costs ~14 s; never after a model run: on
 CPU MindSpore keeps the memory freed tensors held, and the pair would grow into the model's
-unseen): :class:`BlockStack`, a stack whose activations dominate (many rows through narrow
+unseen): :func:`build_block_stack`, a stack whose activations dominate (many rows through narrow
 blocks, each ``tanh(tanh(x @ W_in) @ W_out)`` widening to ``ffn`` inside, each a
 ``fully_shard`` unit), trained with ``Cell.recompute()`` on every block, then a fresh copy
 without. Both are measured from one baseline taken before either, without resetting the
@@ -122,22 +122,10 @@ def build_stack(layers: int, hidden: int, seed: int):
             # x @ W, not x @ W.T: a transposed operand is saved as its own copy for backward
             return mint.tanh(mint.matmul(x, self.weight))
 
-    class DenseStack(nn.Cell):
-        def __init__(self):
-            super().__init__()
-            rng = np.random.default_rng(seed)
-            scale = 1.0 / math.sqrt(hidden)
-            self.layers = nn.CellList([
-                Dense(rng.standard_normal((hidden, hidden), dtype=np.float32) * np.float32(scale))
-                for _ in range(layers)])
-            self.scale = Parameter(ms.Tensor(np.ones(hidden, np.float32)), name="scale")
-
-        def construct(self, x):
-            for layer in self.layers:
-                x = layer(x)
-            return x * self.scale
-
-    return DenseStack()
+    rng = np.random.default_rng(seed)
+    scale = 1.0 / math.sqrt(hidden)
+    return _stack([Dense(rng.standard_normal((hidden, hidden), dtype=np.float32)
+                         * np.float32(scale)) for _ in range(layers)], hidden)
 
 
 def build_block_stack(layers: int, hidden: int, ffn: int, seed: int):
@@ -164,11 +152,21 @@ def build_block_stack(layers: int, hidden: int, ffn: int, seed: int):
             # the output; the matmul outputs are not saved (their grads need only the operands)
             return mint.tanh(mint.matmul(mint.tanh(mint.matmul(x, self.w_in)), self.w_out))
 
-    class BlockStack(nn.Cell):
+    rng = np.random.default_rng(seed)
+    return _stack([Block(rng) for _ in range(layers)], hidden)
+
+
+def _stack(blocks: list, hidden: int):
+    """``blocks`` applied in turn (each a ``fully_shard`` unit in the sharded runs), then the
+    root's own ``scale`` (so the root unit holds a parameter)."""
+    import mindspore as ms
+    import numpy as np
+    from mindspore import Parameter, nn
+
+    class Stack(nn.Cell):
         def __init__(self):
             super().__init__()
-            rng = np.random.default_rng(seed)
-            self.layers = nn.CellList([Block(rng) for _ in range(layers)])
+            self.layers = nn.CellList(blocks)
             self.scale = Parameter(ms.Tensor(np.ones(hidden, np.float32)), name="scale")
 
         def construct(self, x):
@@ -176,7 +174,7 @@ def build_block_stack(layers: int, hidden: int, ffn: int, seed: int):
                 x = layer(x)
             return x * self.scale
 
-    return BlockStack()
+    return Stack()
 
 
 def saved_intermediate_bytes(block, x) -> int:
