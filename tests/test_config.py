@@ -363,11 +363,35 @@ def model_shape(draw):
     return {"model.num_heads": heads,
             "model.hidden_size": heads * draw(st.integers(1, 64)),
             "model.num_experts": experts,
-            "model.experts_per_token": draw(st.integers(1, experts))}
+            "model.experts_per_token": draw(st.integers(1, experts)),
+            # tied to launch.ranks and the mesh too: its rules have their own tests below
+            "model.expert_parallel": 1}
 
 
 MODEL_SHAPE_KEYS = {"model.num_heads", "model.hidden_size", "model.num_experts",
-                    "model.experts_per_token"}
+                    "model.experts_per_token", "model.expert_parallel"}
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["model.expert_parallel=3"], "does not divide model.num_experts = 4"),
+    (["model.expert_parallel=4", "launch.ranks=2"], "does not divide launch.ranks = 2"),
+    (["model.expert_parallel=2", "launch.ranks=4", "fully_shard.mesh_shape=[4,1]"],
+     "does not nest in fully_shard.mesh_shape = [4, 1]"),
+    (["model.expert_parallel=0"], "model.expert_parallel"),
+])
+def test_expert_parallel_that_cannot_be_laid_out_is_refused_by_name(overrides, fragment):
+    with pytest.raises(ConfigValueError, match="model.expert_parallel") as caught:
+        from_dict({}, overrides)
+    assert fragment in str(caught.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model.expert_parallel=4", "launch.ranks=4"],
+    ["model.expert_parallel=2", "launch.ranks=4", "fully_shard.mesh_shape=[2,2]"],
+    ["model.expert_parallel=2", "launch.ranks=4", "model.num_experts=6"],
+])
+def test_expert_parallel_that_nests_is_accepted(overrides):
+    assert from_dict({}, overrides).model.expert_parallel > 1
 
 
 # Tied by cross-key rules (node_rank < nodes, ranks / nodes, devices per node, Ascend-only keys):

@@ -84,6 +84,29 @@ class RunConfig:
                 f"{self.launch.ranks} (or null: shard over every rank)",
                 key="fully_shard.mesh_shape", given=mesh,
                 allowed=f"sizes whose product is launch.ranks ({self.launch.ranks})")
+        self._check_expert_parallel()
+
+    def _check_expert_parallel(self) -> None:
+        """EP groups are ``expert_parallel`` consecutive ranks; they must tile the job and lie
+        inside one shard group of the data-parallel mesh (experts are sharded over the ranks
+        holding the same experts, the expert-data-parallel ranks)."""
+        ep, ranks = self.model.expert_parallel, self.launch.ranks
+        if ep == 1:
+            return
+        if ranks % ep:
+            raise ConfigValueError(
+                f"model.expert_parallel = {ep} does not divide launch.ranks = {ranks}; the "
+                "ranks form groups of expert_parallel consecutive ranks, so choose a divisor "
+                "of launch.ranks", key="model.expert_parallel", given=ep,
+                allowed=f"a divisor of launch.ranks ({ranks})")
+        mesh = self.fully_shard.mesh_shape
+        if mesh is not None and mesh[-1] % ep:
+            raise ConfigValueError(
+                f"model.expert_parallel = {ep} does not nest in fully_shard.mesh_shape = "
+                f"{list(mesh)}: an expert-parallel group must lie inside one shard group "
+                f"({mesh[-1]} ranks); choose expert_parallel dividing {mesh[-1]}",
+                key="model.expert_parallel", given=ep,
+                allowed=f"a divisor of the shard size ({mesh[-1]})")
 
     def to_dict(self) -> dict:
         """Plain nested dict of builtins; ``from_dict(cfg.to_dict()) == cfg``."""

@@ -89,6 +89,10 @@ MEANINGS = {
     "model.experts_per_token": "top-k experts per token; at most `num_experts`",
     "model.expert_hidden": "inner width of each expert's MLP",
     "model.seq_len": "tokens each sequence predicts from",
+    "model.expert_parallel":
+        "expert-parallel ranks per MoE layer: each holds `num_experts / expert_parallel` "
+        "experts (1: every rank holds all); divides `num_experts`, `launch.ranks` and the "
+        "mesh's shard size",
     "model.batch_size":
         "sequences per rank per micro-step (keep the global batch when the world size changes: "
         "4 at 2 ranks is 2 at 4 ranks)",

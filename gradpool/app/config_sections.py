@@ -73,6 +73,9 @@ class ModelConfig(_Section):
     expert_hidden: int = _key(24, Int(minimum=1))     # inner width of each expert's MLP
     seq_len: int = _key(8, Int(minimum=1))
     batch_size: int = _key(4, Int(minimum=1))         # sequences per rank per micro-step
+    # E: each MoE layer's routed experts split over E expert-parallel ranks (1: every rank
+    # holds every expert). EP groups are E consecutive ranks.
+    expert_parallel: int = _key(1, Int(minimum=1))
 
     def _check_together(self, source: str) -> None:
         if self.hidden_size % self.num_heads:
@@ -87,6 +90,13 @@ class ModelConfig(_Section):
                 f"model.num_experts = {self.num_experts}; top-k needs k <= num_experts",
                 key="model.experts_per_token", given=self.experts_per_token,
                 allowed=f"an integer in [1, {self.num_experts}]")
+        if self.num_experts % self.expert_parallel:
+            raise ConfigValueError(
+                f"{source}: model.expert_parallel = {self.expert_parallel} does not divide "
+                f"model.num_experts = {self.num_experts}; each expert-parallel rank holds "
+                "num_experts / expert_parallel experts, so choose a divisor of num_experts",
+                key="model.expert_parallel", given=self.expert_parallel,
+                allowed=f"a divisor of model.num_experts ({self.num_experts})")
 
 
 @dataclass(frozen=True)
