@@ -33,7 +33,9 @@ class GradPoolConfig:
     ``verify_gradients``: checksum each gradient on arrival and after its reduce (debug).
     ``async_reduce``: in ``main_grad`` mode (``apply_grad_on_fp32_main_grad``) a unit's backward
     launches its reduce without waiting (False: it waits), results reaching ``main_grad`` at the
-    end of backward."""
+    end of backward. ``check_unit_order``: before each collective of a ``fully_shard`` unit,
+    every rank agrees that it runs the same one (a 4-byte all-gather over the world), so a unit
+    run on some ranks only is a clear error, not a hang or mixed shards."""
 
     bucket_cap_mib: float = 25.0
     max_buckets_in_flight: Optional[int] = 2
@@ -43,9 +45,11 @@ class GradPoolConfig:
     max_cached_mib: Optional[float] = None
     verify_gradients: bool = False
     async_reduce: bool = True
+    check_unit_order: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("zero_copy", "poison_on_release", "verify_gradients", "async_reduce"):
+        for name in ("zero_copy", "poison_on_release", "verify_gradients", "async_reduce",
+                     "check_unit_order"):
             check_bool(f"GradPoolConfig.{name}", getattr(self, name))
         check_positive_number("GradPoolConfig.bucket_cap_mib", self.bucket_cap_mib)
         check_int("GradPoolConfig.max_buckets_in_flight", self.max_buckets_in_flight, 1,

@@ -143,6 +143,8 @@ RUNTIME_CASES = {
                         "poison_on_release"),
     "config verify None": (lambda: GradPoolConfig(verify_gradients=None), TypeError,
                            "verify_gradients"),
+    "config unit order 'no'": (lambda: GradPoolConfig(check_unit_order="no"), TypeError,
+                               "check_unit_order"),
 }
 
 # hyper_parallel's fully_shard: its policies and keywords

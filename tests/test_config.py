@@ -332,6 +332,7 @@ SIMPLE = {
     "gradpool.max_cached_mib": st.none() | pool_mib,
     "gradpool.verify_gradients": st.booleans(),
     "gradpool.async_reduce": st.booleans(),
+    "gradpool.check_unit_order": st.booleans(),
     "model.vocab_size": st.integers(2, 100_000),
     "model.num_layers": st.integers(1, 64),
     "model.expert_hidden": st.integers(1, 4096),

@@ -81,6 +81,10 @@ MEANINGS = {
         "and waited once, at the end of backward, into `main_grad` (the gradients "
         "`value_and_grad` returns are zeros then); `false`: each reduce completes in its "
         "unit's backward",
+    "gradpool.check_unit_order":
+        "before each collective of a `fully_shard` unit every rank agrees it runs the same one "
+        "(a 4-byte all-gather over the world): a unit run on some ranks only is an error naming "
+        "it, not a hang or mixed shards; `false` saves that all-gather",
     "model.vocab_size": "vocabulary; odd on purpose: the embedding and head shard unevenly",
     "model.hidden_size": "model width; a multiple of `num_heads`",
     "model.num_layers": "decoder layers (each one `fully_shard` unit)",

@@ -58,6 +58,7 @@ _GRADPOOL_RULES = {
     "max_cached_mib": PositiveNumber(nullable=True),
     "verify_gradients": Bool(),
     "async_reduce": Bool(),
+    "check_unit_order": Bool(),
 }
 
 

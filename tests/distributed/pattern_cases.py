@@ -109,6 +109,8 @@ class Run:
     recompute: str = ""            # "", "before", "after", "after_nonreentrant", "wrapper"
     frozen_bias: bool = False
     skip_b_at: tuple = ()          # steps whose forward skips unit b
+    skip_b_on_last_rank_at: tuple = ()  # steps whose forward skips b on the last rank only:
+    #                                    refused on every rank, the step abandoned (world 1: a skip)
     seq_lens: tuple = ()           # per step: rows per rank (dynamic shapes); () = ROWS
     fail_before: tuple = ()        # failures injected (caught) before step 0: where a forward
     #                                raises, or "reentrant_recompute" (a refused backward)
@@ -201,8 +203,17 @@ def train_and_compare(ctx, run: Run) -> dict:
     for step in range(STEPS):
         rows = run.seq_lens[step] if run.seq_lens else ROWS
         local, whole = _batch(step, rank, world, rows)
-        model.skip_b = ref.skip_b = step in run.skip_b_at
+        model.skip_b = ref.skip_b = step in run.skip_b_at or (
+            step in run.skip_b_on_last_rank_at and world == 1)
         model.zero_grad()
+        if step in run.skip_b_on_last_rank_at and world > 1:
+            model.skip_b = rank == world - 1
+            checks[f"step {step}: b skipped on rank {world - 1} only, refused"] = raises(
+                UnsupportedPatternError, lambda: grad_fn(ms.Tensor(local)), "different order",
+                "unit 'b' (Lin)", f"rank {world - 1} at the ", "of unit 'a' (Lin)")
+            model.skip_b = False
+            reserved.append(pool.stats().bytes_reserved)
+            continue            # abandoned on every rank: no update, as for the reference
         _, grads = grad_fn(ms.Tensor(local))
         _, ref_grads = ref_fn(ms.Tensor(whole))
         got = [p.main_grad for p in params] if run.mode != "plain" else list(grads)
@@ -252,6 +263,9 @@ _add("recompute_checkpoint_wrapper", Run(recompute="wrapper"))
 _add("forward_raised_in_a_unit_root_and_loss", Run(fail_before=("a", "root", "loss")))
 _add("reentrant_functional_recompute_refused", Run(fail_before=("reentrant_recompute",)))
 _add("unit_skipped_in_a_step", Run(skip_b_at=(1,)))
+_add("unit_skipped_on_one_rank_only", Run(skip_b_on_last_rank_at=(1,)))
+_add("unit_skipped_on_one_rank_only_kept_gathered", Run(skip_b_on_last_rank_at=(1,),
+                                                        reshard=False), ("main_async",))
 _add("weight_read_outside_its_unit", Run(pattern="tie"))
 _add("dynamic_rows_and_a_frozen_parameter", Run(frozen_bias=True, seq_lens=(4, 2, 3)))
 

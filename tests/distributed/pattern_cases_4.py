@@ -27,6 +27,8 @@ for mesh, tag in (((), "fsdp4"), ((2, 2), "hsdp")):
     add_cases(suite, f"{tag}_recompute_checkpoint_wrapper", Run(recompute="wrapper", mesh=mesh),
               ("plain",))
     add_cases(suite, f"{tag}_unit_applied_twice", Run(pattern="twice", mesh=mesh), MODES)
+    add_cases(suite, f"{tag}_unit_skipped_on_one_rank_only",
+              Run(skip_b_on_last_rank_at=(1,), mesh=mesh), ("plain", "main_async"))
     add_cases(suite, f"{tag}_forward_raised_and_reentrant_recompute_refused",
               Run(fail_before=("a", "loss", "reentrant_recompute"), mesh=mesh), ("main_async",))
 

@@ -361,7 +361,8 @@ def fully_shard(module: Union[nn.Cell, list], *, mesh: Optional[DeviceMesh] = No
     # A list is one unit, as upstream: one gather and one reduce per step for all its modules.
     unit = HSDPUnitState(modules, [m for _, m in params], reducer, mp_policy,
                          reshard_after_forward,
-                         async_reduce=config.async_reduce and mp_policy.apply_grad_on_fp32_main_grad)
+                         async_reduce=config.async_reduce and mp_policy.apply_grad_on_fp32_main_grad,
+                         world_comm=runtime.comm if config.check_unit_order else None)
     if params:
         unit.runtime.replaced_parameters = True     # the originals are freed before a forward
     for mod in modules:

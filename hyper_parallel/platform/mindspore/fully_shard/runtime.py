@@ -25,6 +25,7 @@ from hyper_parallel.platform.mindspore.fully_shard.autograd import (backward_eng
                                                                      grad_graph_open,
                                                                      in_backward,
                                                                      queue_end_of_backward)
+from hyper_parallel.platform.mindspore.fully_shard.order import UNIT_SLOTS, UnitOrderCheck
 from hyper_parallel.platform.mindspore.fully_shard.recompute import non_reentrant_recompute
 
 logger = logging.getLogger(__name__)
@@ -41,10 +42,36 @@ class FullyShardRuntime:
         self.replaced_parameters = False           # fully_shard swapped some since the last forward
         self.backward_pass: Optional[int] = None   # engine whose end-of-backward is queued
         self.backward_units: dict = {}             # id -> unit: units that ran in that pass
+        self.registered = 0                        # units ever registered: the next one's index
+        self.order_check: Optional[UnitOrderCheck] = None   # made by the first unit using it
 
     # -- registry ---------------------------------------------------------------------------------
     def register(self, unit) -> None:
+        """Keep ``unit`` (weakly) and give it its index: units are made in the same order on
+        every rank, so the index names the same unit everywhere (see :mod:`.order`)."""
+        unit.index = self.registered
+        self.registered += 1
         self._units.append(weakref.ref(unit))
+
+    def unit_order_check(self, world_comm) -> UnitOrderCheck:
+        if self.order_check is None:
+            self.order_check = UnitOrderCheck(world_comm, self.describe_unit)
+        return self.order_check
+
+    def describe_unit(self, index: int) -> str:
+        """``'layers.1' (DecoderLayer)``: the unit's path under its root, and its class."""
+        units = self.live_units()
+        match = [u for u in units if u.index % UNIT_SLOTS == index]
+        if not match:
+            return f"#{index}"
+        unit, paths = match[-1], {}
+        for root in (u for u in units if u.is_root):
+            for module in root.modules:
+                paths.update({id(cell): name for name, cell in module.cells_and_names()})
+        module = unit.modules[0]
+        path = paths.get(id(module))
+        where = repr(path) if path else ("the root" if path == "" else "#" + str(index))
+        return f"{where} ({_user_class_name(module)})"
 
     def live_units(self) -> list:
         alive = [ref for ref in self._units if ref() is not None]
@@ -210,3 +237,11 @@ class FullyShardRuntime:
 
 
 RUNTIME = FullyShardRuntime()
+
+
+def _user_class_name(module) -> str:
+    """The class the user wrote, not the ``HSDP<name>`` one fully_shard extends it into."""
+    mro = type(module).__mro__
+    if len(mro) > 2 and mro[0].__name__ == f"HSDP{mro[2].__name__}":
+        return mro[2].__name__
+    return mro[0].__name__

@@ -53,6 +53,7 @@ from hyper_parallel.platform.mindspore.fully_shard.param import (MindSporeHSDPPa
                                                                   PendingGather,
                                                                   launch_all_gather)
 from hyper_parallel.platform.mindspore.fully_shard.runtime import RUNTIME, FullyShardRuntime
+from hyper_parallel.platform.mindspore.fully_shard.order import GATHER, REDUCE
 
 logger = logging.getLogger(__name__)
 
@@ -110,10 +111,14 @@ class HSDPUnitState:
 
     def __init__(self, modules: list, params: list[MindSporeHSDPParamV2], reducer: GradReducer,
                  mp_policy, reshard_after_forward: bool, async_reduce: bool = False,
-                 runtime: FullyShardRuntime = RUNTIME):
-        """``async_reduce``: leave each backward's reduce in flight (main_grad mode only)."""
+                 runtime: FullyShardRuntime = RUNTIME, world_comm=None):
+        """``async_reduce``: leave each backward's reduce in flight (main_grad mode only).
+        ``world_comm``: every rank agrees on each collective of this unit over it before the
+        collective runs (:mod:`.order`); None: no agreement."""
         self.modules = list(modules)
         self.runtime = runtime
+        self.index = -1                       # set by runtime.register
+        self._order = None if world_comm is None else runtime.unit_order_check(world_comm)
         self.async_reduce = async_reduce
         self.async_stats = AsyncReduceStats()
         self.params = params
@@ -404,7 +409,12 @@ class HSDPUnitState:
         """Some gathered parameter of this unit was released and not gathered again."""
         return any(b is not None and not b.valid for b in self._buffers)
 
+    def _agree(self, kind: int) -> None:
+        if self._order is not None:
+            self._order.agree(self.index, kind)
+
     def _launch_gather(self, local_params) -> PendingGather:
+        self._agree(GATHER)
         return launch_all_gather(self.params, list(local_params), self.reducer.pool,
                                  fused=self.reducer.config.comm_fusion,
                                  host=self.reducer.config.host_copies,
@@ -620,6 +630,7 @@ class HSDPUnitState:
         the micro-steps accumulated so far) to the reducer once per group (sharded, replicated),
         and let each parameter adopt its entry of the result. Fused or not is the reducer's
         grouping. ``op`` was checked where it came in (``set_reduce_op``, ``reduce_scatter_grad``)."""
+        self._agree(REDUCE)
         for param in params:
             param.clear_reduce_scatter_output()
         if self.requires_all_reduce and any(p.partial is not None for p in params) \
