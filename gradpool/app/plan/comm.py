@@ -67,6 +67,7 @@ class CommRow:
     full_bytes: int              # the sizes before the ring factor
     bytes: int                   # per rank per step, sent (as much is received)
     seconds: Optional[float]     # at the link's bandwidth; None without one
+    off_node: float = 0.0        # the share of ``bytes`` that leaves the node
 
 
 @dataclass(frozen=True)
@@ -91,13 +92,22 @@ class _Rows:
         self.bandwidth = bandwidth
 
     def add(self, what: str, collective: str, group: str, size: int, where: str, count: int,
-            full: float, factor: float) -> None:
+            full: float, factor: float, off_node: float = 1.0) -> None:
+        """``off_node``: the share of an inter-node row's bytes that leaves the node; the rest
+        goes to peers in the node over their own link at the same time (all-to-all only: a
+        ring moves at the pace of its slowest hop)."""
         if size <= 1 or count == 0 or full == 0:
             return                           # nothing leaves the rank
         sent = int(round(full * factor))
-        gbps = self.bandwidth[where]
+        seconds = None
+        if where == INTRA and self.bandwidth[INTRA]:
+            seconds = sent / (self.bandwidth[INTRA] * 1e9)
+        elif where == INTER and self.bandwidth[INTER] and (off_node == 1 or self.bandwidth[INTRA]):
+            seconds = sent * off_node / (self.bandwidth[INTER] * 1e9)
+            if off_node < 1:
+                seconds = max(seconds, sent * (1 - off_node) / (self.bandwidth[INTRA] * 1e9))
         self.rows.append(CommRow(what, collective, group, size, where, count, int(full), sent,
-                                 sent / (gbps * 1e9) if gbps else None))
+                                 seconds, off_node if where == INTER else 0.0))
 
 
 def plan_comm(cfg: RunConfig, geo: _Geometry, intra_gbps: Optional[float],
@@ -166,9 +176,13 @@ def _dispatch(cfg: RunConfig, rows: _Rows, compute: int, dispatcher: str, recomp
     phases = ["forward", "backward"] + (["recompute"] if recompute else [])
     if dispatcher == "all-to-all":
         pairs = tokens * m.experts_per_token
+        # EP groups are consecutive ranks: a group spanning nodes spans whole nodes, so of the
+        # E - 1 peers a row goes to, E - ranks_per_node are on other nodes
+        per_node = min(cfg.launch.local_ranks, ep)
         for phase in phases:
             rows.add(f"token dispatch + combine, {phase} (all-to-all)", "all-to-all", group, ep,
-                     where, 2 * times, 2 * times * pairs * hidden * compute, (ep - 1) / ep)
+                     where, 2 * times, 2 * times * pairs * hidden * compute, (ep - 1) / ep,
+                     off_node=(ep - per_node) / (ep - 1))
         return
     factor = (ep - 1) / ep
     gathered = ep * tokens

@@ -61,6 +61,7 @@ class _Geometry:
     units: list                  # forward order: root, then each layer (dense, then experts)
     expert_parallel: int = 1
     expert_shards: int = 1       # the EDP ranks (W / E)
+    model_numel: int = 0         # the model's parameters, every expert
 
 
 def _dtype(name: Optional[str], default: str) -> str:
@@ -142,4 +143,5 @@ def _geometry(cfg: RunConfig, specs: Optional[list] = None) -> _Geometry:
             gather = (row.total_numel, full.total_numel)
         units.append(_Unit(name, tuple(unit_specs), reduces, gather, unit_shards, unit_replicas,
                            experts))
-    return _Geometry(replicas, shards, compute, reduce, units, ep, expert_shards)
+    return _Geometry(replicas, shards, compute, reduce, units, ep, expert_shards,
+                     sum(s.numel for s in specs))

@@ -188,8 +188,7 @@ def plan_memory(cfg: RunConfig, options: PlanOptions = PlanOptions(),
     reduce_size = ITEMSIZE[geo.reduce_dtype]
     reduces = [r for unit in geo.units for r in unit.reduces]
     slots = [slot for r in reduces for slot in r.layout.slots]
-    specs = [s for unit in geo.units for s in unit.specs]
-    total_params = sum(s.numel for s in specs)
+    total_params = geo.model_numel                  # every expert, not only this rank's
     shard_numel = sum(slot.chunk_numel for slot in slots)
     valid = [sum(slot.valid_length(0 if first else unit.shards - 1) * slot.chunk_numel
                  // slot.chunk_size for unit in geo.units for r in unit.reduces
