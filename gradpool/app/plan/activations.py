@@ -94,8 +94,9 @@ def plan_activations(cfg: RunConfig, compute_dtype: str, dispatcher: str) -> Act
             transient = gathered * hidden * size
         else:
             kept = transient = pairs * hidden * size
-    largest = max(scores, 4 * tokens * hidden, m.num_experts * tokens * inner if ep == 1
-                  else pairs * inner)
+    # the largest single tensor a layer keeps: its gradient exists beside it in backward
+    rows = m.num_experts * tokens if ep == 1 else pairs      # rows the experts compute on
+    largest = max(scores, tokens * hidden, router, rows * inner, rows * hidden)
     per_layer = (2 * norm + attention + router + experts) * size + kept
     layer_input = tokens * hidden * size
     root = (2 * tokens * hidden + tokens) * size + 2 * tokens * m.vocab_size * LOSS_BYTES

@@ -129,9 +129,13 @@ def plan_comm(cfg: RunConfig, geo: _Geometry, intra_gbps: Optional[float],
                       f"EDP group ({geo.expert_shards} ranks, {ep} apart)",
                       link(strided_groups(ranks, ep), per_node)))
     for label, units, size, group, where in kinds:
-        padded = [sum(r.layout.total_numel for r in u.reduces) for u in units]
+        # gathered: each parameter padded to a multiple of the group on dim 0; reduced: the
+        # buckets as the reducer lays them out (alignment gaps included)
+        padded = [sum(slot.chunk_numel * size for r in u.reduces for slot in r.layout.slots)
+                  for u in units]
         every = sum(padded)
         layers = sum(n for u, n in zip(units, padded) if u.name != "root")
+        buckets = sum(r.layout.total_numel for u in units for r in u.reduces)
         factor = (size - 1) / size
         # one fused all-gather per unit, else one per parameter
         gathers = [1 if fs.comm_fusion else len(u.specs) for u in units]
@@ -143,7 +147,8 @@ def plan_comm(cfg: RunConfig, geo: _Geometry, intra_gbps: Optional[float],
                      micro * layers * compute, factor)
         rows.add(f"{label}: reduce-scatter of the gradients ({geo.reduce_dtype})",
                  "reduce-scatter", group, size, where,
-                 reduces * sum(len(u.reduces) for u in units), reduces * every * reduce, factor)
+                 reduces * sum(len(u.reduces) for u in units), reduces * buckets * reduce,
+                 factor)
     if geo.replicas > 1:
         dense = [u for u in geo.units if not u.experts]
         rows_numel = sum(r.layout.row_numel for u in dense for r in u.reduces)
