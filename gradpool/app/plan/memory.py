@@ -299,7 +299,8 @@ def plan_memory(cfg: RunConfig, options: PlanOptions = PlanOptions(),
 
 def _fit(context: ContextPlan, activations: ActivationPlan, micro_steps: int) -> FitPlan:
     """The verdict: with every layer's activations if that fits, else with full recompute
-    (the config has no recompute key: the plan says which the run needs)."""
+    (the config has no recompute key: the plan says which the run needs); when even that does
+    not fit, by how much and which parts are largest."""
     base = context.as_implemented_bytes
     plain, recompute = base + activations.plain_bytes, base + activations.recompute_bytes
     memory = context.device_memory_bytes
@@ -309,14 +310,20 @@ def _fit(context: ContextPlan, activations: ActivationPlan, micro_steps: int) ->
     uses_recompute = plain > memory
     counted = recompute if uses_recompute else plain
     fits = counted <= memory
-    how = ("with full recompute (every layer's activations do not fit: "
-           f"{plain / memory:.0%} of the card)" if uses_recompute
-           else "with every layer's activations kept (no recompute needed)")
-    verdict = f"{'fits' if fits else 'does NOT fit'} {how}: {counted / memory:.0%} of the card"
+    if uses_recompute:
+        verdict = (f"with full recompute, {counted / memory:.0%} of it (every layer's "
+                   f"activations kept: {plain / memory:.0%})")
+    else:
+        verdict = f"every layer's activations kept, {counted / memory:.0%} of it (no recompute)"
     if not fits:
-        verdict += f", {(counted - memory) / GIB:.2f} GiB over"
+        gathered = context.gathered_at_once_bytes + context.largest_unit_grad_bytes
+        parts = sorted([("gathered parameters and one unit's full gradients", gathered),
+                        ("sharded state, pool and HCCL buffers", context.state_and_pool_bytes),
+                        ("activations", counted - base)], key=lambda part: -part[1])
+        verdict += (f"; {(counted - memory) / GIB:.2f} GiB over: "
+                    + ", ".join(f"{name} {value / GIB:.2f} GiB" for name, value in parts))
     if micro_steps > 1:
-        verdict += f"; one micro-step's activations of {micro_steps}"
+        verdict += f"; activations of one micro-step of {micro_steps}"
     return FitPlan(memory, base, plain, recompute, uses_recompute, fits,
                    max(0, counted - memory), verdict)
 
