@@ -104,7 +104,9 @@ def _experts(plan: MemoryPlan) -> list:
 
 
 def _seconds(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value * 1e3:.1f} ms"
+    if value is None:
+        return "-"
+    return f"{value * 1e3:.1f} ms" if value >= 1e-4 else f"{value * 1e6:.2f} us"
 
 
 def _comm(plan: MemoryPlan) -> list:
