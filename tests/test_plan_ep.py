@@ -73,6 +73,13 @@ def test_ep_figures_equal_a_hand_count_on_4_ranks_ep_2():
     expert_rows = 2 * 2 * (2 * up(16 * inner) + up(12 * hidden))
     assert rows["local experts: reduce-scatter of the gradients (float32)"].bytes == \
         1 / 2 * 2 * expert_rows * 4
+    # the pool reduces one bucket per gradient the rank holds: root 3, each layer 7 dense and
+    # 2 local experts x 3; their reduced rows are what the buckets hand back
+    assert plan.pool.reduce_buckets_per_step == 3 + 2 * (7 + 2 * 3)
+    assert plan.pool.output_data_bytes == (root_rows + 2 * layer_rows + expert_rows) * 4
+    # the replay packs every bucket once a step: dense inputs of 4 rows, expert inputs of 2
+    assert plan.copy.bytes_copied_per_step == (4 * (root_rows + 2 * layer_rows)
+                                               + 2 * expert_rows) * 4
     # the all-gather dispatcher (CPU's default): per layer, the EP group's 2 x 32 tokens and
     # their top-2 routing (int32 index, float32 weight) gathered, the outputs reduce-scattered;
     # backward gathers the output gradients and reduce-scatters the input gradients
@@ -132,6 +139,18 @@ def test_hsdp_expert_units_are_one_d_over_the_edp_ranks():
                                                           (32, 32), (32, 32), (32, 1), (32, 4)])
     assert rows["dense units: all-reduce over the replicas (HSDP)"].bytes == \
         2 * (2 - 1) / 2 * dense_rows * 4
+    # two micro-steps, the replicate all-reduce on the last only: every unit reduce-scatters
+    # each micro-step, the dense partial sums are all-reduced once; the experts have none
+    micro = plan_memory(load_config(TINY, [
+        "launch.ranks=8", "model.expert_parallel=2", "fully_shard.mesh_shape=[2,4]",
+        "train.micro_steps=2", "fully_shard.all_reduce_every_micro_step=false"]))
+    twice = _rows(micro)
+    for what in ("dense units: reduce-scatter of the gradients (float32)",
+                 "local experts: reduce-scatter of the gradients (float32)"):
+        assert twice[what].bytes == 2 * rows[what].bytes
+    assert twice["dense units: all-reduce over the replicas (HSDP)"].bytes == \
+        rows["dense units: all-reduce over the replicas (HSDP)"].bytes
+    assert micro.pool.new_allocations_after_step1 == 0
 
 
 def test_links_intra_node_when_every_group_lies_in_one_node():
