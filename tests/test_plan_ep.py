@@ -341,3 +341,20 @@ def test_docs_plan_shows_what_the_plan_prints(config):
     match = re.search(rf"\$ gradpool plan --config {re.escape(name)}\n(.*?)\n```", text, re.S)
     assert match, f"docs/plan.md quotes no `gradpool plan --config {name}`"
     assert match.group(1) == format_plan(plan_memory(load_config(config)), name)
+
+
+def test_docs_plan_table_holds_both_plans_figures():
+    from gradpool.app.plan import human
+    text = (ROOT / "docs" / "plan.md").read_text()
+    plans = [plan_memory(load_config(config)) for config in (BIG, BIG_EP)]
+    cells = {line.split(" | ")[0].lstrip("| "): [c.strip() for c in line.split(" | ")[1:3]]
+             for line in text.splitlines() if line.startswith("| memory") or
+             line.startswith("| sent over") or line.startswith("| copied by")}
+    assert cells["memory without activations (as implemented)"] == \
+        [human(p.fit.without_activations_bytes) for p in plans]
+    assert cells["memory with full recompute"] == [human(p.fit.with_recompute_bytes) for p in plans]
+    assert cells["sent over the network (estimated communication time)"] == \
+        [f"{human(p.comm.total_bytes)} ({p.comm.estimated_seconds:.1f} s)" for p in plans]
+    assert cells["copied by the pool (estimated copy time)"] == \
+        [f"{human(p.copy.bytes_copied_per_step)} written ({p.copy.estimated_seconds * 1e3:.0f} ms)"
+         for p in plans]
