@@ -347,9 +347,9 @@ def test_docs_plan_table_holds_both_plans_figures():
     from gradpool.app.plan import human
     text = (ROOT / "docs" / "plan.md").read_text()
     plans = [plan_memory(load_config(config)) for config in (BIG, BIG_EP)]
-    cells = {line.split(" | ")[0].lstrip("| "): [c.strip() for c in line.split(" | ")[1:3]]
-             for line in text.splitlines() if line.startswith("| memory") or
-             line.startswith("| sent over") or line.startswith("| copied by")}
+    rows = [line.strip("| ").split(" | ") for line in text.splitlines()
+            if line.startswith(("| memory", "| sent over", "| copied by"))]
+    cells = {row[0]: row[1:] for row in rows}
     assert cells["memory without activations (as implemented)"] == \
         [human(p.fit.without_activations_bytes) for p in plans]
     assert cells["memory with full recompute"] == [human(p.fit.with_recompute_bytes) for p in plans]
