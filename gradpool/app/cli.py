@@ -4,6 +4,7 @@
     gradpool check-config FILE [FILE ...] [--set section.key=value ...]
     gradpool launch-cmd --config FILE --node-rank K [--set section.key=value ...]
     gradpool plan --config FILE [--set ...] [--json] [--hbm-gbps G] [--copy-efficiency F]
+                  [--intra-node-gbps G] [--inter-node-gbps G] [--dispatcher all-to-all|all-gather]
     gradpool export --checkpoint DIR --out model.safetensors
     gradpool bench [--device CPU] [--nproc 2] [--out results.json] [--quick]
     gradpool bench --suite overlap [--quick]
@@ -90,7 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_overrides(launch_cmd)
     launch_cmd.set_defaults(command=_launch_cmd)
 
-    plan = command("plan", help="per-rank memory of the reduce path, without a device")
+    plan = command("plan", help="per-rank memory, activations and communication of a run, "
+                                "without a device")
     plan.add_argument("--config", required=True, help="run config YAML")
     _add_overrides(plan)
     plan.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
@@ -101,6 +103,15 @@ def _parser() -> argparse.ArgumentParser:
                       help="fraction of that bandwidth a copy reaches (default 0.7, assumed)")
     plan.add_argument("--device-memory-gib", type=float, default=None,
                       help="card memory to compare with (default: 64 on Ascend)")
+    plan.add_argument("--intra-node-gbps", type=float, default=None,
+                      help="per-card bandwidth between the cards of a node, GB/s (default on "
+                           "Ascend: HCCS 392, as published for the Atlas 800T A2; CPU: none)")
+    plan.add_argument("--inter-node-gbps", type=float, default=None,
+                      help="per-card bandwidth between nodes, GB/s (default on Ascend: 25, one "
+                           "200 Gb/s RoCE port per card; CPU: none)")
+    plan.add_argument("--dispatcher", default=None,
+                      help="expert parallelism's token dispatcher, all-to-all or all-gather "
+                           "(default: all-to-all on Ascend, all-gather on CPU)")
     plan.set_defaults(command=_plan)
 
     export = command("export", help="write a checkpoint's model as one safetensors file that "
@@ -463,7 +474,10 @@ def _plan(args) -> int:
         return EXIT_USAGE
     given = {name: value for name, value in (("hbm_gbps", args.hbm_gbps),
                                              ("copy_efficiency", args.copy_efficiency),
-                                             ("device_memory_gib", args.device_memory_gib))
+                                             ("device_memory_gib", args.device_memory_gib),
+                                             ("intra_node_gbps", args.intra_node_gbps),
+                                             ("inter_node_gbps", args.inter_node_gbps),
+                                             ("dispatcher", args.dispatcher))
              if value is not None}
     try:
         options = PlanOptions(**given)
