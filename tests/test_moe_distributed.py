@@ -10,3 +10,7 @@ pytestmark = pytest.mark.distributed
 
 class TestMoEOn2Ranks(SuiteTests):
     SCRIPT, NPROC, TIMEOUT, BLOCKING = "moe_cases.py", 2, 1200, True
+
+
+class TestMoEOn4Ranks(SuiteTests):
+    SCRIPT, NPROC, TIMEOUT, BLOCKING = "moe_cases_4.py", 4, 1800, True
