@@ -8,14 +8,17 @@ import dataclasses
 import mindspore as ms
 import numpy as np
 import pytest
-from mindspore import Tensor, mint
+from mindspore import Parameter, Tensor, mint, nn
 
+from gradpool import GradPoolConfig
 from gradpool.app.config import ModelConfig
 from gradpool.app.model import TinyDeepSeekV3
 from gradpool.app.moe import ExpertParallel, LocalExperts, local_experts, routed_rows
 from gradpool.app.moe_dispatch import ENV, all_to_all_requested, plan_receive, plan_send
 from gradpool.comm import SingleProcessCommunicator
 from gradpool.errors import InvalidArgumentError
+from hyper_parallel import fully_shard
+from hyper_parallel.core.fully_shard.api import MixedPrecisionPolicy
 
 ms.set_device("CPU")
 CFG = ModelConfig(expert_hidden=23)         # 4 experts, top-2, hidden 32
@@ -160,3 +163,44 @@ def test_expert_parallel_refusals():
     assert list(local_experts(8, 4, 3)) == [6, 7]
     with pytest.raises(InvalidArgumentError, match="does not divide"):
         plan_send(np.ones((2, 4)), 3)
+
+
+class _Tiny(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.w = Parameter(Tensor(np.arange(1.0, 8.0, dtype=np.float32).reshape(7, 1)), name="w")
+
+    def construct(self, x):
+        return (mint.matmul(x, self.w) ** 2).sum()
+
+
+@pytest.mark.parametrize("main_grad", [False, True], ids=["plain", "main_grad"])
+def test_gradient_divide_factor_divides_the_summed_gradient_at_world_one(main_grad):
+    """World 1: "avg" divides by 1, so the factor alone makes the difference; the scaling
+    factor multiplies after it; set_reduce_op_type replaces the factor (last call wins)."""
+    x = Tensor(np.linspace(-1, 1, 14, dtype=np.float32).reshape(2, 7))
+    plain = _Tiny()
+    want = ms.grad(plain, grad_position=None, weights=plain.trainable_params())(x)[0].asnumpy()
+    for setup, scale in ((lambda m: m.set_gradient_divide_factor(4), 0.25),
+                         (lambda m: (m.set_gradient_divide_factor(4.0),
+                                     m.set_gradient_scaling_factor(3.0)), 0.75),
+                         (lambda m: (m.set_gradient_divide_factor(4),
+                                     m.set_reduce_op_type("avg")), 1.0)):
+        model = _Tiny()
+        fully_shard(model, mp_policy=MixedPrecisionPolicy(apply_grad_on_fp32_main_grad=main_grad),
+                    pool_config=GradPoolConfig(async_reduce=False))
+        setup(model)
+        params = model.trainable_params()
+        model.zero_grad()
+        grads = ms.grad(model, grad_position=None, weights=params)(x)
+        got = params[0].main_grad if main_grad else grads[0]
+        np.testing.assert_allclose(got.asnumpy(), want * scale, rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [0, -1.5, float("nan"), float("inf"), "4", True, None])
+def test_a_bad_gradient_divide_factor_is_refused_by_name(bad):
+    model = _Tiny()
+    fully_shard(model, pool_config=GradPoolConfig(async_reduce=False))
+    with pytest.raises(InvalidArgumentError, match="gradient divide factor") as raised:
+        model.set_gradient_divide_factor(bad)
+    assert repr(bad) in str(raised.value)
