@@ -26,15 +26,18 @@ class TestMoEOn4Ranks(SuiteTests):
     SCRIPT, NPROC, TIMEOUT, BLOCKING = "moe_cases_4.py", 4, 1800, True
 
 
-@pytest.mark.parametrize("main_grad", ["true", "false"], ids=["main_grad", "plain"])
-def test_the_main_job_with_expert_parallelism_matches_its_reference(main_grad):
+@pytest.mark.parametrize("extra", [["fully_shard.apply_grad_on_fp32_main_grad=true"],
+                                   ["fully_shard.apply_grad_on_fp32_main_grad=false"],
+                                   ["train.micro_steps=2", "fully_shard.comm_fusion=true"]],
+                         ids=["main_grad", "plain", "micro_steps_fused"])
+def test_the_main_job_with_expert_parallelism_matches_its_reference(extra):
     """SGD at a large learning rate, so an expert gradient off by a factor shows in the losses
     (Adam would mostly hide it)."""
     run = subprocess.run(
         [sys.executable, "-m", "gradpool", "train", "--config", "configs/deepseek3_tiny.yaml",
          "--set", "model.expert_parallel=2", "--set", "launch.ranks=2", "--set", "train.steps=3",
          "--set", "train.optimizer=sgd", "--set", "train.learning_rate=0.5",
-         "--set", f"fully_shard.apply_grad_on_fp32_main_grad={main_grad}", "--reference"],
+         *[arg for key in extra for arg in ("--set", key)], "--reference"],
         cwd=ROOT, text=True, capture_output=True, timeout=600,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
