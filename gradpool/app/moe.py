@@ -209,11 +209,5 @@ def dispatcher_for(ep: Optional[ExpertParallel]):
     return AllGatherDispatcher(ep)
 
 
-def dense_rows_per_rank(num_experts: int, tokens: int) -> int:
-    """Rows the E=1 dense product runs through expert MLPs on a rank of ``tokens`` tokens."""
-    return num_experts * tokens
-
-
 __all__ = ["ExpertParallel", "LocalExperts", "AllGatherDispatcher", "ExpertWork",
-           "local_experts", "routed_rows", "dispatcher_for", "dispatcher_functions",
-           "dense_rows_per_rank"]
+           "local_experts", "routed_rows", "dispatcher_for", "dispatcher_functions"]

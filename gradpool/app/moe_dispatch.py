@@ -90,7 +90,9 @@ def all_to_all_requested() -> bool:
 
 
 class AllToAllDispatcher:      # pragma: no cover - Ascend only (no NPU in this project's CI)
-    """The all-to-all dispatcher (module doc); same call as the all-gather one."""
+    """The all-to-all dispatcher (module doc); same call as the all-gather one. Not run yet
+    (no NPU here). Known gap: a rank that receives no row at all has no row for its local
+    experts' padding row (see LocalExperts) and fails; the all-gather dispatcher has none."""
 
     def __init__(self, ep):
         self.ep = ep
