@@ -4,5 +4,7 @@ background (``save(..., async_save=True)``, committed at ``wait``), the newest c
 a directory of step checkpoints (``latest``), and a full export for inference."""
 from hyper_parallel.checkpoint.api import export_full, load
 from hyper_parallel.checkpoint.saving import AsyncSave, SaveResult, pending, save, wait
+from hyper_parallel.checkpoint.steps import latest, step_dir
 
-__all__ = ["save", "load", "wait", "pending", "export_full", "SaveResult", "AsyncSave"]
+__all__ = ["save", "load", "wait", "pending", "latest", "step_dir", "export_full", "SaveResult",
+           "AsyncSave"]
