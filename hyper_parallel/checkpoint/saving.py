@@ -68,6 +68,7 @@ class SaveResult:
     seconds: float             # from the call to the commit
     blocked_seconds: float = 0.0    # of those, the caller waited (in the call and at the wait)
     asynchronous: bool = False
+    write_seconds: float = 0.0      # this rank's checksums and file write (with its fsync)
 
 
 def entries_of(model, optimizer) -> list[tuple[str, StateEntry]]:
@@ -148,6 +149,7 @@ class _Save:
     start: float
     name: str = ""                          # this rank's file, relative to root
     written: int = 0
+    write_seconds: float = 0.0
     error: Optional[BaseException] = None   # of this rank's write
 
     def release(self) -> None:
@@ -197,9 +199,11 @@ def _write(save: _Save, arrays: dict, pieces: dict) -> None:
     for the commit, where every rank hears of it."""
     if save.error is not None:      # the snapshot failed: nothing to write
         return
+    start = time.perf_counter()
     try:
         save.written = files.write_rank_file(save.root, save.name, arrays, pieces,
                                              save.save_id)
+        save.write_seconds = time.perf_counter() - start
         _test_pause(save.step)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it at the commit
         save.error = exc
@@ -263,7 +267,8 @@ def _build_index(root: Path, generation: int, world: int, step, extra,
 
 def _result(save: _Save, total: int, blocked: float, asynchronous: bool) -> SaveResult:
     result = SaveResult(str(save.root), save.step, save.generation, save.written, total,
-                        time.perf_counter() - save.start, blocked, asynchronous)
+                        time.perf_counter() - save.start, blocked, asynchronous,
+                        save.write_seconds)
     logger.info("checkpoint saved to %s (generation %d, save %s%s): %d bytes on this rank, %d "
                 "in all, %.2f s (%.2f s blocked)", save.root, save.generation, save.save_id,
                 ", in the background" if asynchronous else "", save.written, total,
