@@ -148,6 +148,7 @@ class _Save:
     lock: Optional[files.DirectoryLock]     # rank 0's, held until the commit
     start: float
     name: str = ""                          # this rank's file, relative to root
+    asynchronous: bool = False
     written: int = 0
     write_seconds: float = 0.0
     error: Optional[BaseException] = None   # of this rank's write
@@ -182,15 +183,35 @@ def _prepare(root: Path, step, extra, start: float) -> _Save:
                  files.rank_file(generation, comm.rank))
 
 
+# The host arrays of the last asynchronous save, refilled by the next one (whose call waits for
+# that save first, so its background write has finished with them): a copy into memory already
+# touched runs 2-5x faster than one into a fresh allocation, which page-faults every page. They
+# stay allocated between saves (one host copy of this rank's pieces), as torchtitan keeps its
+# pinned staging buffers.
+_HOST_BUFFERS: dict[str, np.ndarray] = {}
+
+
 def _snapshot(entries, copy: bool) -> tuple[dict, dict]:
-    """This rank's pieces as arrays and their geometry; ``copy``: arrays this save owns (else
-    views of the tensors, valid until they change)."""
+    """This rank's pieces as arrays and their geometry; ``copy``: arrays this save owns (in the
+    last asynchronous save's buffers where shapes and dtypes match), else views of the tensors,
+    valid until they change."""
+    global _HOST_BUFFERS
     arrays, pieces = {}, {}
     for key, entry in entries:
         if entry.writes:
-            arrays[key] = entry.local_values(copy=copy)
+            values = entry.local_values(copy=False)
+            if copy:
+                buffer = _HOST_BUFFERS.get(key)
+                if buffer is None or buffer.shape != values.shape or \
+                        buffer.dtype != values.dtype:
+                    buffer = np.empty(values.shape, values.dtype)
+                np.copyto(buffer, values)
+                values = buffer
+            arrays[key] = values
             pieces[key] = {"shape": list(entry.global_shape), "dtype": entry.dtype,
                            "offsets": list(entry.box.offsets), "lengths": list(entry.box.lengths)}
+    if copy:
+        _HOST_BUFFERS = arrays
     return arrays, pieces
 
 
@@ -231,7 +252,10 @@ def _commit(save: _Save) -> int:
                 total = sum(index.files.values())
                 files.write_index(root, index)
                 committed = 1
-                files.remove_superseded(root, save.generation)
+                if save.asynchronous:
+                    _clean_up_later(save)
+                else:
+                    files.remove_superseded(root, save.generation)
             except Exception as exc:  # noqa: BLE001
                 error = exc
                 if not committed:       # ours alone (reserved under the lock): nothing names it
@@ -330,6 +354,33 @@ class AsyncSave:
 
 
 _PENDING: Optional[AsyncSave] = None
+_CLEANUP: Optional[threading.Thread] = None
+
+
+def _clean_up_later(save: _Save) -> None:
+    """Rank 0, after an asynchronous save committed: remove the generations it superseded on a
+    background thread (removing a large file takes a while: 0.2-0.3 s for 512 MiB per rank on
+    the 2-core machine), under the directory's lock, which that thread releases when done (the
+    cleanup is part of the save for a second writer); no collective."""
+    global _CLEANUP
+    lock, save.lock = save.lock, None
+
+    def clean() -> None:
+        try:
+            files.remove_superseded(save.root, save.generation)
+        finally:
+            if lock is not None:
+                lock.__exit__(None, None, None)
+    _CLEANUP = threading.Thread(target=clean, name=f"checkpoint-cleanup {save.root}")
+    _CLEANUP.start()
+
+
+def _join_cleanup() -> None:
+    """Before this process locks a directory again: its last cleanup holds the lock."""
+    global _CLEANUP
+    if _CLEANUP is not None:
+        _CLEANUP.join()
+        _CLEANUP = None
 
 
 def pending() -> Optional[AsyncSave]:
@@ -363,9 +414,11 @@ def save(path, model, optimizer=None, *, step: Optional[int] = None, extra: Any 
     root = _check_save_args(path, step, extra)
     check_bool("async_save", async_save)
     wait()
+    _join_cleanup()
     start = time.perf_counter()
     entries = entries_of(model, optimizer)
     save_ = _prepare(root, step, extra, start)
+    save_.asynchronous = async_save
     arrays = pieces = None
     try:
         arrays, pieces = _snapshot(entries, copy=async_save)
