@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--work-seconds", type=float, default=3.0,
+    parser.add_argument("--work-seconds", type=float, default=8.0,
                         help="the training stand-in between saves")
     parser.add_argument("--quick", action="store_true", help="a 16 MiB stack, one repeat")
     parser.add_argument("--out", type=Path, help="write the report (markdown) here too")

@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--work-seconds", type=float, default=3.0)
+    parser.add_argument("--work-seconds", type=float, default=8.0)
     args = parser.parse_args(argv)
     from gradpool.app import rank_report
     from gradpool.comm import communicator_for, init_distributed
