@@ -6,9 +6,11 @@ seconds and bytes of each into its rank report (``runs``).
 Per repeat, every phase starting at a barrier: the stand-in alone (``work_alone``); a
 synchronous save (the training loop is blocked for all of it); an asynchronous save (blocked
 for the call: prepare and the copy to host), the stand-in while the file is written in the
-background (``work_during``), then the wait that commits it (blocked again). The stand-in is a
-fixed number of 1024 x 1024 float32 matmuls (``--work-seconds`` of them, calibrated alone):
-how much the background write slows training down is ``work_during - work_alone``.
+background (``work_during``), a barrier (the ranks' steps end together, as training steps in
+lockstep do), then the wait that commits it (blocked again). The stand-in is a fixed number of
+1024 x 1024 float32 matmuls (``--work-seconds`` of them, calibrated alone, the same number on
+every rank): how much the background write slows training down is ``work_during -
+work_alone``.
 
 Where a save's time goes (``profile``): the snapshot copy, the checksums, safetensors'
 ``save_file`` (header and data into the page cache), the fsync and rename of the rank file,
@@ -90,20 +92,23 @@ class Profile:
 
 
 class Work:
-    """The training stand-in: ``n`` MindSpore matmuls of 1024 x 1024 float32."""
+    """The training stand-in: ``n`` MindSpore matmuls of 1024 x 1024 float32, the same ``n`` on
+    every rank (the mean of each rank's calibration), as training steps are in lockstep."""
 
-    def __init__(self, seconds: float):
+    def __init__(self, seconds: float, comm):
         import mindspore as ms
         import numpy as np
         from mindspore import mint
         self._mint = mint
         self._a = ms.Tensor(np.random.default_rng(0).standard_normal((1024, 1024), np.float32))
-        self.n = 1
+        self.n = 0
         if seconds > 0:
-            once = self.run(5) / 5
-            self.n = max(1, int(seconds / once))
-        else:
-            self.n = 0
+            self.run(2)                                  # warm up
+            once = self.run(10) / 10
+            mine = ms.Tensor(np.array([seconds / once], np.float32))
+            if comm.world_size > 1:
+                comm.all_reduce(mine, op="sum").wait()
+            self.n = max(1, int(float(mine.asnumpy()[0]) / comm.world_size))
 
     def run(self, n=None) -> float:
         start = time.perf_counter()
@@ -118,7 +123,7 @@ def measure(model, root: Path, repeats: int, comm, work_seconds: float) -> dict:
     from hyper_parallel import checkpoint
     profile = Profile()
     profile.install()
-    work = Work(work_seconds)
+    work = Work(work_seconds, comm)
     rows = defaultdict(list)
     written = total = read = 0
     for _ in range(repeats):
@@ -137,6 +142,7 @@ def measure(model, root: Path, repeats: int, comm, work_seconds: float) -> dict:
         handle = checkpoint.save(root / "async", model, async_save=True)
         rows["async_call"].append(time.perf_counter() - start)
         rows["work_during"].append(work.run())
+        _barrier(comm)      # the ranks' steps end together (not counted as blocked by the save)
         start = time.perf_counter()
         done = handle.wait()
         rows["async_wait"].append(time.perf_counter() - start)
