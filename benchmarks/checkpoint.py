@@ -78,6 +78,13 @@ def report_lines(rows: dict, world: int, repeats: int, stack: tuple,
                 f"{r['sync_blocked']:.3f} | {r['async_blocked']:.3f} ({r['async_call']:.3f} + "
                 f"{r['async_wait']:.3f}) | {ratio:.2f} | {r['work_alone']:.2f} | "
                 f"{r['work_during']:.2f} |")
+    lines += ["", "Each repeat, blocked seconds (sync; async call + wait):", ""]
+    for model, records in rows.items():
+        for rank, r in enumerate(records):
+            every = r["all"]
+            lines.append(f"* {MODELS[model]}, rank {rank}: " + ", ".join(
+                f"{s:.3f}; {c:.3f} + {w:.3f}" for s, c, w in
+                zip(every["sync_blocked"], every["async_call"], every["async_wait"])))
     lines += ["", "## Write throughput and where a save's time goes", "",
               "| model | rank | mode | write s | write GB/s | "
               + " | ".join(PHASE_NAMES.values()) + " |",
