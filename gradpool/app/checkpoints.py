@@ -21,6 +21,12 @@ skipped and logged); with no committed checkpoint there the run starts from step
 as Megatron's and torchtitan's do. ``train.keep_last: N`` removes, after each save, the committed
 step directories older than the newest N (:func:`prune`).
 
+With ``train.async_save`` each save is written in the background (:class:`StepSaver`): it is
+committed, and ``keep_last`` prunes after it, at the next save or at the end of the run; before
+that ``latest`` does not see it. ``train.verify_checkpoint: false`` (or ``gradpool train
+--no-verify``) skips the checksums of ``resume_from`` before the launch and in the ranks' load,
+and the launcher says so.
+
 Every rank of the job calls :func:`save_step` and :func:`resume` (the checkpoint API's
 collectives); the launcher calls :func:`read_checkpoint` and :func:`check_resume` before anything
 is launched, so a bad ``resume_from`` costs no launch.
@@ -99,8 +105,9 @@ def read_checkpoint(path, checksums: bool = False) -> CheckpointInfo:
     """The index of the checkpoint in ``path``, after checking every rank file against it (its
     size and save id, each piece's dtype, shape and extent: headers only, cheap; with
     ``checksums`` every piece's bytes too); :class:`CheckpointError` naming the file (and the
-    tensor) when there is none or one fails. Without ``checksums`` a flipped byte is found by
-    the ranks' own load, which verifies checksums."""
+    tensor) when there is none or one fails. The launcher's pre-launch check passes
+    ``checksums`` unless ``train.verify_checkpoint`` is false; the ranks, which verify the
+    checksums of what they read in their load, read headers only here."""
     from hyper_parallel.checkpoint import files
     root = Path(path)
     index = files.read_index(root)
