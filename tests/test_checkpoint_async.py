@@ -25,7 +25,7 @@ from gradpool.app.model import TinyDeepSeekV3, next_token_loss
 from gradpool.app.train import _batch, optimizer_for
 from gradpool.errors import CheckpointError, InvalidArgumentError
 from hyper_parallel import checkpoint
-from hyper_parallel.checkpoint import files, saving
+from hyper_parallel.checkpoint import files
 
 ms.set_device("CPU")
 CFG = from_dict({}, ["model.num_experts=3"])
