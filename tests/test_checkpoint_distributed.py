@@ -1,6 +1,7 @@
 """Distributed checkpoints across world sizes and meshes, on real msrun ranks.
 
-Three launches of tests/distributed/checkpoint_cases.py share one directory: 2 ranks save ``w2``;
+Three launches of tests/distributed/checkpoint_cases.py share one directory: 2 ranks save ``w2``
+(and ``w2a``, the same state saved asynchronously while a further step trains);
 in this process (world 1, an unsharded model) ``w2`` is loaded and ``w1`` saved; 4 ranks load
 ``w2`` flat and on an HSDP (2, 2) mesh and save ``f4`` and ``h4``; world 1 loads those; 2 ranks
 load ``h4`` and ``w1``. Every loading run dumps its raw local tensors, and the full tensors
@@ -24,7 +25,7 @@ SUITE = harness.load_suite(SCRIPT)
 CASES = sys.modules["_cases_checkpoint_cases"]
 PHASES = {"w2": 2, "w4": 4, "back": 2}
 # (what was saved, what a later run loaded from it)
-PAIRS = [("w2", "w2_at_w2"), ("w2", "w2_at_w1"), ("w2", "w2_at_f4"), ("w2", "w2_at_h4"),
+PAIRS = [("w2", "w2_at_w2"), ("w2", "w2_at_w1"), ("w2", "w2a_at_w1"), ("w2", "w2_at_f4"), ("w2", "w2_at_h4"),
          ("h4", "h4_at_f4"), ("h4", "h4_at_w1"), ("h4", "h4_at_w2"), ("f4", "f4_at_w1"),
          ("w1", "w1_at_w2")]
 
@@ -74,7 +75,7 @@ def _load_and_save(shared, loads, save, ctx, cfg) -> None:
 def phases(tmp_path_factory):
     shared = tmp_path_factory.mktemp("checkpoint_shared")
     results = {"w2": _launch("w2", shared, tmp_path_factory.mktemp("w2"))}
-    _world_one(shared, ["w2"], save=True)
+    _world_one(shared, ["w2", "w2a"], save=True)
     results["w4"] = _launch("w4", shared, tmp_path_factory.mktemp("w4"))
     _world_one(shared, ["f4", "h4"])
     results["back"] = _launch("back", shared, tmp_path_factory.mktemp("back"))

@@ -172,6 +172,30 @@ def test_save_step_prunes_on_rank_0_only_and_names_what_it_removed(tmp_path, mon
     assert _names(tmp_path) == ["step-00000003", "step-00000004"]
 
 
+def test_with_async_save_a_step_is_pruned_only_after_a_newer_one_committed(tmp_path):
+    """train.async_save with keep_last 1: each save commits (and prunes) at the next save, so
+    the newest committed step is never removed while a newer one is only being written."""
+    cfg = load_config(TINY, [f"train.save_dir={tmp_path}", "train.keep_last=1",
+                             "train.async_save=true", "train.save_every=1", "train.steps=3"])
+    net = Net(1.0)
+    saver = checkpoints.StepSaver(cfg, net, None, 1, 0)
+    assert saver.after_step(1) is None and saver.started["step"] == 1
+    saver.pending.wait()                           # step 1 written and committed (keep it)
+    saved = saver.after_step(2)                    # commits step 1, starts step 2
+    assert saved["step"] == 1 and saved["asynchronous"] and saved["removed"] == []
+    net.w.set_data(ms.Tensor(np.full((3, 4), 2.0, np.float32)))
+    saved = saver.after_step(3)                    # commits step 2 (removes 1), starts step 3
+    assert saved["step"] == 2 and saved["removed"] == [str(step_dir(tmp_path, 1))]
+    assert _names(tmp_path) == ["step-00000002", "step-00000003"]
+    assert not (step_dir(tmp_path, 3) / files.INDEX).exists()          # being written
+    assert checkpoint.latest(tmp_path) == step_dir(tmp_path, 2)
+    assert "in the background, training blocked" in rank_main.saved_line(saved)
+    final = saver.finish()                         # the end of the run commits step 3
+    assert final["step"] == 3 and final["removed"] == [str(step_dir(tmp_path, 2))]
+    assert _names(tmp_path) == ["step-00000003"] and saver.finish() is None
+    assert _loaded_value(step_dir(tmp_path, 3)) == 2.0
+
+
 # -- config edges --------------------------------------------------------------------------------
 @pytest.mark.parametrize("key", ["train.save_dir", "train.resume_from", "launch.log_dir",
                                  "model.seq_len"])

@@ -122,6 +122,23 @@ def w2_save(ctx):
 
 
 @suite.case
+def w2_async_save_while_training(ctx):
+    """The same training as w2_save, saved in the background while the next step runs (its
+    collectives on this thread, its optimizer changing the parameters in place); the pytest
+    side loads it at world 1 and compares it with w2's dump, bit for bit."""
+    cfg, model, optimizer = build(FLAT)
+    train(cfg, model, optimizer, ctx, steps=2)
+    handle = checkpoint.save(shared() / "w2a", model, optimizer, step=2, extra={"from": "w2a"},
+                             async_save=True)
+    train(cfg, model, optimizer, ctx, steps=1)
+    uncommitted = not (shared() / "w2a" / "index.json").exists()
+    result = handle.wait()
+    return {"step": equal(result.step, 2), "asynchronous": equal(result.asynchronous, True),
+            "uncommitted_before_the_wait": equal(uncommitted, True),
+            "total": equal(result.total_bytes >= result.bytes_written > 0, True)}
+
+
+@suite.case
 def w2_load_into_other_seed(ctx):
     """A model built from another seed takes the saved values (dumped for the pytest side)."""
     _, model, optimizer = build(FLAT, seed=99)
