@@ -157,7 +157,9 @@ def _check_same(key: str, saved: Any, now: Any, where: str) -> None:
 
 def _check_model(cfg: RunConfig, saved: dict, where: str) -> None:
     for f in dataclasses.fields(cfg.model):
-        if f.name != "batch_size":          # per rank: the global batch is checked instead
+        # batch_size is per rank: the global batch is checked instead; expert_parallel is how
+        # the experts are split over ranks, and a checkpoint holds every expert: any split loads
+        if f.name not in ("batch_size", "expert_parallel"):
             _check_same(f"model.{f.name}", saved.get(f.name), getattr(cfg.model, f.name), where)
 
 

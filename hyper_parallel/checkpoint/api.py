@@ -21,13 +21,15 @@ from gradpool import CheckpointError, StateMismatchError, check_bool, communicat
 from hyper_parallel.checkpoint import files, saving
 from hyper_parallel.checkpoint.saving import MODEL, OPTIMIZER, checked_path, entries_of
 from hyper_parallel.core.dtensor.boxes import Box, plan_reads
+from hyper_parallel.core.fully_shard.held_by_some import world_keys
 from hyper_parallel.core.fully_shard.state_dict import assemble
 
 logger = logging.getLogger(__name__)
 
 
-def _check_fits(index: files.Index, entries, optimizer, root: Path) -> None:
-    wanted = {key for key, _ in entries}
+def _check_fits(index: files.Index, entries, optimizer, root: Path, wanted: set) -> None:
+    """``wanted``: the keys some rank of the world needs (an expert another rank holds is not
+    unexpected here)."""
     for key, entry in entries:
         record = index.tensors.get(key)
         if record is None:
@@ -69,10 +71,11 @@ def _index_or_none(root: Path) -> Optional[files.Index]:
         return None
 
 
-def _read_state(root: Path, index: files.Index, entries, optimizer, verify: bool):
+def _read_state(root: Path, index: files.Index, entries, optimizer, verify: bool,
+                wanted: set):
     """Every value this rank needs from ``index``'s checkpoint, every piece checked first; the
     model is not touched."""
-    _check_fits(index, entries, optimizer, root)
+    _check_fits(index, entries, optimizer, root, wanted)
     reader = _reader(root, index, verify)
     try:
         planned = []
@@ -88,11 +91,11 @@ def _read_state(root: Path, index: files.Index, entries, optimizer, verify: bool
         reader.close()
 
 
-def _read_with_retries(root: Path, entries, optimizer, verify: bool, comm):
+def _read_with_retries(root: Path, entries, optimizer, verify: bool, comm, wanted: set):
     index = files.read_index(root)
     for attempt in range(_LOAD_ATTEMPTS):
         try:
-            reader, values_of = _read_state(root, index, entries, optimizer, verify)
+            reader, values_of = _read_state(root, index, entries, optimizer, verify, wanted)
             return index, reader, values_of
         except CheckpointError:
             # A writer may have committed a newer save, and removed this one's files, between
@@ -131,9 +134,11 @@ def load(path, model, optimizer=None, *, verify: bool = True) -> dict:
     start = time.perf_counter()
     comm = communicator_for()
     entries = entries_of(model, optimizer)
+    wanted = set(world_keys({key: (e.global_shape, e.dtype) for key, e in entries}, comm))
     index = reader = values_of = error = None
     try:
-        index, reader, values_of = _read_with_retries(root, entries, optimizer, verify, comm)
+        index, reader, values_of = _read_with_retries(root, entries, optimizer, verify, comm,
+                                                      wanted)
     except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it before assigning
         error = exc
     _agree_to_assign(comm, error, root)
