@@ -26,7 +26,10 @@ PHASES = {"w2": 2, "w4": 4, "back": 2}
 # (what was saved, what a later run loaded from it)
 PAIRS = [("w2", "w2_at_w2"), ("w2", "w2_at_w1"), ("w2", "w2_at_f4"), ("w2", "w2_at_h4"),
          ("h4", "h4_at_f4"), ("h4", "h4_at_w1"), ("h4", "h4_at_w2"), ("f4", "f4_at_w1"),
-         ("w1", "w1_at_w2")]
+         ("w1", "w1_at_w2"),
+         # expert parallelism: EP 2 at 4 ranks into EP 4, EP 1, 2 ranks EP 2 and EP 1, world 1
+         ("e2", "e2_at_ep4"), ("e2", "e2_at_ep1"), ("e2", "e2_at_w2ep2"), ("e2", "e2_at_w2ep1"),
+         ("e2", "e2_at_w1")]
 
 
 def phase_names(phase: str) -> list[str]:
@@ -42,12 +45,12 @@ def _launch(phase: str, shared: Path, out_dir: Path):
     return harness.load_results(out_dir, SUITE.name, PHASES[phase], launch)
 
 
-def _world_one(shared: Path, loads: list[str], save: bool = False) -> None:
+def _world_one(shared: Path, loads: list[str], save: bool = False, experts: int = 0) -> None:
     """In this process: an unsharded model and its Adam take each checkpoint and dump."""
     from gradpool.app.config import from_dict
     from gradpool.comm import SingleProcessCommunicator
     ctx = harness.Context(rank=0, world_size=1, comm=SingleProcessCommunicator())
-    cfg = from_dict({}, CASES.MODEL)
+    cfg = from_dict({}, CASES.MODEL + ([f"model.num_experts={experts}"] if experts else []))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CHECKPOINT_SHARED", str(shared))
         _load_and_save(shared, loads, save, ctx, cfg)
@@ -77,27 +80,31 @@ def phases(tmp_path_factory):
     _world_one(shared, ["w2"], save=True)
     results["w4"] = _launch("w4", shared, tmp_path_factory.mktemp("w4"))
     _world_one(shared, ["f4", "h4"])
+    _world_one(shared, ["e2"], experts=4)
     results["back"] = _launch("back", shared, tmp_path_factory.mktemp("back"))
     return shared, results
 
 
 def assemble(shared: Path, tag: str) -> dict[str, np.ndarray]:
     """Full tensors from a run's raw dumps: shards in shard order along their dim, padding cut;
-    HSDP replicas must hold the same shard bit for bit."""
+    HSDP replicas must hold the same shard bit for bit. Under expert parallelism a rank holds
+    some experts only: each tensor is assembled from the ranks that hold it."""
     folder = shared / "raw" / tag
     metas = sorted(folder.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
     ranks = [(json.loads(m.read_text()), np.load(m.with_suffix(".npz"))) for m in metas]
     assert ranks and len(ranks) == ranks[0][0]["world_size"], f"{folder}: dumps missing"
     full = {}
-    for key, geometry in ranks[0][0]["geometry"].items():
+    every_key = {key: meta["geometry"][key] for meta, _ in ranks for key in meta["geometry"]}
+    for key, geometry in every_key.items():
+        holders = [(meta, arrays) for meta, arrays in ranks if key in meta["geometry"]]
         dim = geometry["shard_dim"]
         if dim < 0:
-            values = [arrays[key] for _, arrays in ranks]
+            values = [arrays[key] for _, arrays in holders]
             assert all(np.array_equal(values[0], v) for v in values), f"{tag}: {key} differs"
             full[key] = values[0]
             continue
         shards: dict[int, np.ndarray] = {}
-        for meta, arrays in ranks:
+        for meta, arrays in holders:
             where = meta["geometry"][key]
             index, array = where["shard_rank"], arrays[key]
             if index in shards:
@@ -136,3 +143,37 @@ def test_full_state_dict_is_identical_on_every_rank(phases):
     digests = [r["cases"]["w2_full_state_dict_is_the_same_on_every_rank"]["checks"]["digest"]
                ["actual"] for r in reports]
     assert len(digests) == 2 and digests[0] == digests[1]
+
+
+def test_ep_full_state_dict_holds_every_expert_as_saved(phases):
+    """get_model_state_dict / get_optimizer_state_dict(full_state_dict=True) at EP 2: every rank
+    got every expert (and everything else) equal to the tensors assembled from the raw dumps."""
+    shared = phases[0]
+    expected = assemble(shared, "e2")
+    dumps = sorted((shared / "full" / "e2").glob("rank*.npz"))
+    assert len(dumps) == 4
+    experts = [k for k in expected if k.startswith("model/layers.1.moe.experts.3.")]
+    assert experts, "the EP dumps hold no expert 3: nothing would show a missing expert"
+    for path in dumps:
+        full = np.load(path)
+        model_keys = {k for k in expected if k.startswith("model/")}
+        assert model_keys <= set(full.files), f"{path.name}: missing {model_keys - set(full.files)}"
+        for key in expected:
+            if key in full.files:
+                np.testing.assert_array_equal(full[key], expected[key].astype(np.float32),
+                                              err_msg=f"{path.name}: {key}")
+
+
+def test_ep_checkpoint_exports_the_plain_model(phases, tmp_path):
+    """gradpool export of the EP 2 checkpoint: one file holding every expert, the saved values."""
+    from hyper_parallel.checkpoint import export_full
+    from safetensors.numpy import load_file
+    shared = phases[0]
+    out = tmp_path / "model.safetensors"
+    export_full(shared / "e2", out)
+    exported = load_file(str(out))
+    expected = {k[len("model/"):]: v for k, v in assemble(shared, "e2").items()
+                if k.startswith("model/")}
+    assert sorted(exported) == sorted(expected)
+    for key, values in expected.items():
+        np.testing.assert_array_equal(exported[key], values, err_msg=key)

@@ -343,6 +343,8 @@ SIMPLE = {
     "train.learning_rate": finite_positive,
     "train.seed": st.integers(0, 2**32 - 1),
     "train.optimizer": st.sampled_from(["adam", "sgd"]),
+    "train.async_save": st.booleans(),
+    "train.verify_checkpoint": st.booleans(),
     "train.resume_from": st.none() | st.text(
         st.characters(whitelist_categories=("L", "N"), whitelist_characters="/_-. "),
         min_size=1, max_size=20).filter(lambda s: s.strip() == s and s != "latest"),

@@ -130,6 +130,19 @@ def test_a_run_resumed_at_another_world_size_continues_within_1e_6(first_run, tm
     assert "read by 1 rank(s)" in out
 
 
+@pytest.mark.distributed
+def test_a_run_resumed_with_expert_parallelism_continues_within_1e_6(first_run, tmp_path):
+    # saved with every expert on every rank; resumed with EP 2 (each rank computes and holds 2
+    # of the 4 experts): the same training, the expert sums in another order
+    out, steps = _train(tmp_path / "logs", f"train.resume_from={first_run['save_dir']}"
+                        "/step-00000002", "model.expert_parallel=2")
+    first = first_run["steps"]
+    assert sorted(steps) == [2, 3]
+    for k in (2, 3):
+        assert steps[k].loss == pytest.approx(first[k].loss, rel=1e-6, abs=0)
+    assert "read by 2 rank(s)" in out
+
+
 def _refused(capsys, *overrides: str) -> str:
     """``gradpool train`` refusing before it launches anything: exit 2, one line."""
     sets = [item for o in overrides for item in ("--set", o)]

@@ -46,19 +46,18 @@ WRITER = "gradpool train"
 # The rank report key under which each rank publishes the newest checkpoint it saw committed
 # ({"path", "step"}), for the launcher's line when a signal stops the run.
 LAST_CHECKPOINT = "last_checkpoint"
-STEP_DIR_PREFIX = "step-"
 # What decides the batches and the updates besides the saved state (see the module docstring).
 TRAJECTORY_KEYS = ("seed", "micro_steps", "optimizer", "learning_rate")
 # fully_shard settings that change the gradients or the sharding a run trains with
 FULLY_SHARD_KEYS = ("reduce_op", "gradient_scaling_factor", "reduce_dtype", "param_dtype",
                     "apply_grad_on_fp32_main_grad", "mesh_shape")
 LATEST = "latest"           # train.resume_from's keyword
-_STEP_NAME = re.compile(r"^step-(\d{8})$")
 
 
 def step_dir(save_dir, steps_done: int) -> Path:
     """Where the checkpoint after ``steps_done`` optimizer steps goes."""
-    return Path(save_dir) / f"{STEP_DIR_PREFIX}{steps_done:08d}"
+    from hyper_parallel.checkpoint import steps
+    return steps.step_dir(save_dir, steps_done)
 
 
 def save_due(cfg: RunConfig, steps_done: int) -> bool:
@@ -151,7 +150,9 @@ def _check_same(key: str, saved: Any, now: Any, where: str) -> None:
 
 def _check_model(cfg: RunConfig, saved: dict, where: str) -> None:
     for f in dataclasses.fields(cfg.model):
-        if f.name != "batch_size":          # per rank: the global batch is checked instead
+        # batch_size is per rank: the global batch is checked instead; expert_parallel is how
+        # the experts are split over ranks, and a checkpoint holds every expert: any split loads
+        if f.name not in ("batch_size", "expert_parallel"):
             _check_same(f"model.{f.name}", saved.get(f.name), getattr(cfg.model, f.name), where)
 
 
@@ -171,51 +172,31 @@ def _check_global_batch(cfg: RunConfig, extra: dict, world: int, where: str) -> 
 # -- the step directories of a save_dir: latest and retention ---------------------------------
 def step_dirs(save_dir) -> list[tuple[int, Path]]:
     """``(step, path)`` of every ``step-<8 digits>`` directory directly in ``save_dir`` (not a
-    symlink: nothing outside it is ever ours), oldest first."""
-    root = Path(save_dir)
-    try:
-        children = list(root.iterdir())
-    except OSError:
-        return []
-    found = []
-    for child in children:
-        match = _STEP_NAME.match(child.name)
-        if match and child.is_dir() and not child.is_symlink():
-            found.append((int(match.group(1)), child))
-    return sorted(found)
+    symlink), oldest first."""
+    from hyper_parallel.checkpoint import steps
+    return steps.step_dirs(save_dir)
 
 
-def find_latest(save_dir) -> tuple[Optional[CheckpointInfo], list[str]]:
+def find_latest(save_dir, checksums: bool = True) -> tuple[Optional[CheckpointInfo], list[str]]:
     """The newest committed, intact step checkpoint under ``save_dir`` (None: none committed)
-    and, newest first, why each newer step directory was passed over. Intact: every rank file's
-    size, save id and header agree with the index (:func:`read_checkpoint`; the checksums are
-    the ranks' own load's), and the index holds the step its name says. A ``save_dir`` whose
-    committed checkpoints are all damaged is a :class:`CheckpointError` naming each: starting
-    from step 0 over them would throw the training away."""
-    from hyper_parallel.checkpoint import files
-    skipped, damaged = [], []
-    for step, path in reversed(step_dirs(save_dir)):
-        if not (path / files.INDEX).is_file():
-            skipped.append(f"{path.name}: not committed (no {files.INDEX}: a save that did not "
-                           "finish)")
-            continue
-        try:
-            info = read_checkpoint(path)
-            if info.step != step:
-                raise CheckpointError(f"{path / files.INDEX} holds step {info.step}, its "
-                                      f"directory's name says {step}")
-        except CheckpointError as exc:
-            reason = " ".join(str(exc).split())
-            skipped.append(f"{path.name}: damaged ({reason})")
-            damaged.append(f"{path.name}: {reason}")
-            continue
-        return info, skipped
-    if damaged:
+    and, newest first, why each newer step directory was passed over
+    (:func:`hyper_parallel.checkpoint.steps.scan`: every rank file's size, save id and header
+    agree with the index, with ``checksums`` every piece's bytes too, and the index holds the
+    step its name says). A ``save_dir`` whose committed checkpoints are all damaged is a
+    :class:`CheckpointError` naming each: starting from step 0 over them would throw the
+    training away."""
+    from hyper_parallel.checkpoint import steps
+    found = steps.scan(save_dir, verify=checksums)
+    if found.path is not None:
+        index = found.index
+        return CheckpointInfo(found.path, index.step, index.extra, index.world_size,
+                              sum(index.files.values())), found.skipped
+    if found.damaged:
         raise CheckpointError(
             f"train.resume_from = {LATEST!r}: every committed checkpoint under {save_dir} is "
-            f"damaged ({'; '.join(damaged)}); repair or move them away, or name a step "
+            f"damaged ({'; '.join(found.damaged)}); repair or move them away, or name a step "
             "directory in train.resume_from")
-    return None, skipped
+    return None, found.skipped
 
 
 def resolve_latest(cfg: RunConfig) -> tuple[RunConfig, Optional[CheckpointInfo], list[str]]:
@@ -225,7 +206,7 @@ def resolve_latest(cfg: RunConfig) -> tuple[RunConfig, Optional[CheckpointInfo],
     train = cfg.train
     if train.resume_from != LATEST:
         return cfg, None, []
-    info, skipped = find_latest(train.save_dir)
+    info, skipped = find_latest(train.save_dir, checksums=train.verify_checkpoint)
     notes = [f"train.resume_from = latest: skipped {why}" for why in skipped]
     if info is None:
         notes.append(f"train.resume_from = latest: no committed checkpoint under "
@@ -265,6 +246,13 @@ def removed_text(saved: dict) -> str:
     if not removed:
         return ""
     return f"; removed {', '.join(Path(p).name for p in removed)} (train.keep_last)"
+
+
+def background_text(saved: dict) -> str:
+    """What a committed save's line adds when it was written in the background."""
+    if not saved.get("asynchronous"):
+        return ""
+    return f" in the background, training blocked {saved['blocked_seconds']:.2f} s"
 
 
 _SAVE_NAMES = re.compile(r"^(index\.json|index\.json\..+\.tmp|\.lock|gen-\d{8})$")
@@ -308,11 +296,53 @@ def save_step(cfg: RunConfig, model, optimizer, steps_done: int, world: int,
     from hyper_parallel import checkpoint
     result = checkpoint.save(step_dir(cfg.train.save_dir, steps_done), model, optimizer,
                              step=steps_done, extra=run_extra(cfg, world))
+    return _committed(cfg, result, rank)
+
+
+def _committed(cfg: RunConfig, result, rank: int) -> dict:
+    """A committed save as the step line and the summary show it, after ``train.keep_last``
+    pruned (rank 0: a step directory goes only once a newer one committed)."""
     removed = []
     if cfg.train.keep_last is not None and rank == 0:     # committed on every rank by now
-        removed = prune(cfg.train.save_dir, cfg.train.keep_last, steps_done)
-    return {"step": steps_done, "path": result.path, "bytes": result.total_bytes,
-            "seconds": result.seconds, "removed": removed}
+        removed = prune(cfg.train.save_dir, cfg.train.keep_last, result.step)
+    return {"step": result.step, "path": result.path, "bytes": result.total_bytes,
+            "seconds": result.seconds, "blocked_seconds": result.blocked_seconds,
+            "asynchronous": result.asynchronous, "removed": removed}
+
+
+class StepSaver:
+    """The saves of one rank of a run: synchronous, or with ``train.async_save`` in the
+    background. Every rank calls :meth:`after_step` after each step and :meth:`finish` once
+    training ended well (both are wait points of the checkpoint API: collective)."""
+
+    def __init__(self, cfg: RunConfig, model, optimizer, world: int, rank: int):
+        self.cfg, self.model, self.optimizer = cfg, model, optimizer
+        self.world, self.rank = world, rank
+        self.pending = None         # the asynchronous save not committed yet
+        self.started: Optional[dict] = None     # the save the last after_step started
+
+    def after_step(self, steps_done: int) -> Optional[dict]:
+        """Save when :func:`save_due`; the save committed by this call (synchronous: this step's;
+        asynchronous: the previous one's, which had to commit before the next starts), or None.
+        :attr:`started` says what an asynchronous save started."""
+        self.started = None
+        if not save_due(self.cfg, steps_done):
+            return None
+        if not self.cfg.train.async_save:
+            return save_step(self.cfg, self.model, self.optimizer, steps_done, self.world,
+                             self.rank)
+        from hyper_parallel import checkpoint
+        committed = self.finish()
+        self.pending = checkpoint.save(step_dir(self.cfg.train.save_dir, steps_done), self.model,
+                                       self.optimizer, step=steps_done,
+                                       extra=run_extra(self.cfg, self.world), async_save=True)
+        self.started = {"step": steps_done, "path": self.pending.path}
+        return committed
+
+    def finish(self) -> Optional[dict]:
+        """Commit the pending asynchronous save (the end of the run waits for it); its dict."""
+        pending, self.pending = self.pending, None
+        return None if pending is None else _committed(self.cfg, pending.wait(), self.rank)
 
 
 def resume(cfg: RunConfig, model, optimizer, world: int) -> dict:
@@ -322,7 +352,7 @@ def resume(cfg: RunConfig, model, optimizer, world: int) -> dict:
     from hyper_parallel import checkpoint
     info = read_checkpoint(cfg.train.resume_from)
     check_resume(cfg, info, world)
-    loaded = checkpoint.load(info.path, model, optimizer)
+    loaded = checkpoint.load(info.path, model, optimizer, verify=cfg.train.verify_checkpoint)
     if loaded["step"] != info.step:     # another run saved into it between the two reads
         raise CheckpointError(f"{info.path} changed while it was loaded (step {info.step}, then "
                               f"{loaded['step']}); resume again once nothing writes to it")

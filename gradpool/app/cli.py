@@ -1,11 +1,11 @@
 """``gradpool``: the command line.
 
-    gradpool train --config FILE [--set section.key=value ...] [--reference]
+    gradpool train --config FILE [--set section.key=value ...] [--reference] [--no-verify]
     gradpool check-config FILE [FILE ...] [--set section.key=value ...]
     gradpool launch-cmd --config FILE --node-rank K [--set section.key=value ...]
     gradpool plan --config FILE [--set ...] [--json] [--hbm-gbps G] [--copy-efficiency F]
                   [--intra-node-gbps G] [--inter-node-gbps G] [--dispatcher all-to-all|all-gather]
-    gradpool export --checkpoint DIR --out model.safetensors
+    gradpool export --checkpoint DIR --out model.safetensors [--no-verify]
     gradpool bench [--device CPU] [--nproc 2] [--out results.json] [--quick]
     gradpool bench --suite overlap [--quick]
     gradpool --version
@@ -76,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="fail when a step's loss differs from the reference by more than "
                             "this relative amount (default %(default)g)")
     train.add_argument("--timeout", type=float, default=3600, help="seconds before giving up")
+    train.add_argument("--no-verify", action="store_true",
+                       help="do not check train.resume_from's checksums (trusted storage; the "
+                            "same as --set train.verify_checkpoint=false); sizes, save ids and "
+                            "headers still are")
     train.set_defaults(command=_train)
 
     check = command("check-config", help="print the resolved config, or what is wrong")
@@ -119,6 +123,9 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--checkpoint", required=True, metavar="DIR",
                         help="a checkpoint directory (train.save_dir/step-<N>)")
     export.add_argument("--out", required=True, metavar="FILE", help="the safetensors file")
+    export.add_argument("--no-verify", action="store_true",
+                        help="do not check the checksums (trusted storage); sizes, save ids "
+                             "and headers still are")
     export.set_defaults(command=_export)
 
     bench = command("bench", help="copy-overhead and reduce-step benchmarks, then report")
@@ -202,7 +209,9 @@ def _checked_launch(path: str, overrides: list) -> Optional[RunConfig]:
 def _train(args) -> int:
     _positive("--timeout", args.timeout)
     _positive("--reference-rtol", args.reference_rtol)
-    cfg = _checked_launch(args.config, args.overrides)
+    overrides = [*args.overrides, "train.verify_checkpoint=false"] if args.no_verify else \
+        args.overrides
+    cfg = _checked_launch(args.config, overrides)
     if cfg is None:
         return EXIT_USAGE
     cfg = _checkpoint_paths(cfg)
@@ -295,11 +304,16 @@ def _checked_resume(cfg: RunConfig):
         cfg, info, notes = resolve_latest(cfg)
         if cfg.train.resume_from is None:
             return cfg, None, notes
-        info = info or read_checkpoint(cfg.train.resume_from)
+        info = info or read_checkpoint(cfg.train.resume_from,
+                                       checksums=cfg.train.verify_checkpoint)
         check_resume(cfg, info, cfg.launch.ranks)
     except (CheckpointError, StateMismatchError, ConfigError) as exc:
         print(f"gradpool train: cannot resume: {_one_line(exc)}", file=sys.stderr)
         return cfg, False, []
+    if not cfg.train.verify_checkpoint:     # an opt-out is said, never silent
+        notes.append(f"train.verify_checkpoint = false: the checksums of {info.path} are not "
+                     "verified (trusted storage), here or by the ranks; sizes, save ids and "
+                     "headers are")
     return cfg, info, notes
 
 
@@ -330,9 +344,10 @@ def _print_step(total: int):
               flush=True)
         if record.saved is not None:       # its own line: the step line keeps its format
             saved = record.saved
-            from gradpool.app.checkpoints import removed_text
+            from gradpool.app.checkpoints import background_text, removed_text
             print(f"saved step {saved['step']} to {saved['path']} ({_bytes(saved['bytes'])}, "
-                  f"{saved['seconds']:.2f} s){removed_text(saved)}", flush=True)
+                  f"{saved['seconds']:.2f} s{background_text(saved)}){removed_text(saved)}",
+                  flush=True)
     return show
 
 
@@ -397,7 +412,10 @@ def _print_checkpoints(outcome, world: int) -> None:
         print(f"saved {len(saved)} checkpoint{plural} (step{plural} "
               f"{', '.join(str(s['step']) for s in saved)}): "
               f"{_bytes(sum(s['bytes'] for s in saved))}, "
-              f"{sum(s['seconds'] for s in saved):.2f} s in all; the last is {saved[-1]['path']}")
+              f"{sum(s['seconds'] for s in saved):.2f} s in all"
+              + (f" (training blocked {sum(s['blocked_seconds'] for s in saved):.2f} s: "
+                 "train.async_save)" if any(s.get("asynchronous") for s in saved) else "")
+              + f"; the last is {saved[-1]['path']}")
 
 
 def _bytes(n: float) -> str:
@@ -449,8 +467,11 @@ def _export(args) -> int:
                           f"{Path(args.out) / 'model.safetensors'}")
     try:
         info = read_checkpoint(args.checkpoint)     # the clear "no checkpoint" error first
+        if args.no_verify:      # an opt-out is said, never silent
+            print(f"gradpool export: --no-verify: the checksums of {info.path} are not verified "
+                  "(trusted storage); sizes, save ids and headers are", flush=True)
         from hyper_parallel.checkpoint import export_full
-        written = export_full(args.checkpoint, args.out)
+        written = export_full(args.checkpoint, args.out, verify=not args.no_verify)
     except CheckpointError as exc:
         print(f"gradpool export: {_one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE

@@ -120,6 +120,14 @@ MEANINGS = {
     "train.keep_last":
         "after each save keep only the newest this many committed `step-<N>` directories "
         "(older ones removed, never the one just saved; needs `save_dir`); null: keep all",
+    "train.async_save":
+        "write each checkpoint in the background: the step waits only for a copy of the state "
+        "in host memory; a save is committed (resumable, counted by `latest` and `keep_last`) "
+        "at the next save or the end of the run (see "
+        "[Asynchronous save](checkpoints.md#asynchronous-save))",
+    "train.verify_checkpoint":
+        "check every checksum of `resume_from` before the launch and in the ranks' load; "
+        "`false` (trusted storage) checks sizes, save ids and headers only and says so",
     "launch.ranks":
         "the world size (msrun's `worker_num`); at most 4 ranks per CPU core, 16 Ascend cards, "
         "per node",

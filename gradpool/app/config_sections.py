@@ -114,6 +114,10 @@ class TrainConfig(_Section):
     # a step-<N> directory, or "latest": the newest committed, intact one under save_dir
     resume_from: Optional[str] = _key(None, Text(nullable=True))
     keep_last: Optional[int] = _key(None, Int(minimum=1, nullable=True))   # null: keep all
+    # write each checkpoint in the background (committed at the next save or the end of the run)
+    async_save: bool = _key(False, Bool())
+    # false: resume_from's checksums are not checked (said on stderr and in the ranks' logs)
+    verify_checkpoint: bool = _key(True, Bool())
 
     def _check_together(self, source: str) -> None:
         for key, value in (("keep_last", self.keep_last),

@@ -9,10 +9,13 @@ Layout of one layer (pre-norm residual, like DeepSeek-V3 without MLA or shared e
     h = x + Attention(RMSNorm(x))          causal softmax attention, q/k/v/o projections
     y = h + MoE(RMSNorm(h))                top-k routed SwiGLU experts
 
-The MoE is computed densely: every expert runs on every token and its output is weighted by the
-routing weight, which is zero for experts outside the token's top-k. Wasteful, but it has no
-data-dependent shapes, so it is deterministic and every expert receives a gradient every step
-(a zero one where unrouted), which keeps FSDP's per-parameter bookkeeping simple.
+With ``model.expert_parallel = 1`` the MoE is computed densely: every expert runs on every token
+and its output is weighted by the routing weight, which is zero for experts outside the token's
+top-k. Wasteful, but it has no data-dependent shapes, so it is deterministic and every expert
+receives a gradient every step (a zero one where unrouted); it is the reference the
+expert-parallel model is checked against. With ``expert_parallel = E > 1`` each rank holds
+``num_experts / E`` experts of each layer and computes them sparsely, only on the tokens routed
+to them, through a token dispatcher (:mod:`gradpool.app.moe`).
 
 Ops: MindSpore 2.10 PyNative on CPU lacks kernels for several ``mint`` ops this model would
 naturally use (``mint.topk``, ``mint.nn.functional.one_hot/embedding/cross_entropy/log_softmax``,
@@ -25,13 +28,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, mint, nn, ops
 
 from gradpool.app.config import ModelConfig
+from gradpool.app.moe import ExpertParallel, LocalExperts, dispatcher_for, local_experts
 from gradpool.errors import InvalidArgumentError
 
 RMS_EPS = 1e-6
@@ -120,14 +124,23 @@ class Expert(nn.Cell):
 
 
 class MoE(nn.Cell):
-    """Top-k routed experts, computed densely (see the module docstring)."""
+    """Top-k routed experts: computed densely without ``ep``, else this EP rank's experts only,
+    sparsely, through the dispatcher (see the module docstring)."""
 
-    def __init__(self, cfg: ModelConfig, rng: np.random.Generator):
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator,
+                 ep: Optional[ExpertParallel] = None):
         super().__init__()
         self.num_experts = cfg.num_experts
         self.top_k = cfg.experts_per_token
         self.router = _normal(rng, (cfg.hidden_size, cfg.num_experts), cfg.hidden_size ** -0.5)
-        self.experts = nn.CellList([Expert(cfg, rng) for _ in range(cfg.num_experts)])
+        # every expert drawn, in order, whatever this rank keeps: the same values as E=1
+        drawn = [Expert(cfg, rng) for _ in range(cfg.num_experts)]
+        if ep is None:
+            self.experts = nn.CellList(drawn)
+        else:
+            self.experts = LocalExperts({g: drawn[g] for g in
+                                         local_experts(cfg.num_experts, ep.size, ep.rank)})
+        self.dispatch = dispatcher_for(ep)
         self._on = Tensor(1.0, ms.float32)
         self._off = Tensor(0.0, ms.float32)
 
@@ -149,6 +162,8 @@ class MoE(nn.Cell):
     def construct(self, x: Tensor) -> Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])                                       # [N, H]
+        if self.dispatch is not None:
+            return self.dispatch(self.experts, flat, self.routing_weights(flat)).reshape(shape)
         # One batched matmul over stacked expert weights instead of one matmul per expert:
         # same values and gradients, measured 2-4x faster on CPU, where every matmul call
         # carries 0.1-several ms of host overhead. ops.stack: mint.stack has no CPU kernel.
@@ -163,12 +178,13 @@ class MoE(nn.Cell):
 
 
 class DecoderLayer(nn.Cell):
-    def __init__(self, cfg: ModelConfig, rng: np.random.Generator):
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator,
+                 ep: Optional[ExpertParallel] = None):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size)
         self.attn = Attention(cfg, rng)
         self.moe_norm = RMSNorm(cfg.hidden_size)
-        self.moe = MoE(cfg, rng)
+        self.moe = MoE(cfg, rng, ep)
 
     def construct(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -183,17 +199,23 @@ class TinyDeepSeekV3(nn.Cell):
     paths (``embed``, ``layers.0.attn.q``, ``layers.1.moe.experts.3.down``, ``head``, ...).
     ``embed`` and ``head`` are both [vocab_size, hidden_size], so with the default odd vocab
     their dim 0 does not divide evenly across ranks.
+
+    ``cfg.expert_parallel = E > 1`` needs ``ep``, this rank's :class:`ExpertParallel` (its
+    EP group's communicator; ``build_sharded_model`` makes it): the model then holds this EP
+    rank's experts only (names and values those of the E=1 model) and dispatches tokens.
     """
 
-    def __init__(self, cfg: ModelConfig, seed: int = 1234):
+    def __init__(self, cfg: ModelConfig, seed: int = 1234, ep: Optional[ExpertParallel] = None):
         super().__init__()
         if not isinstance(cfg, ModelConfig):
             raise InvalidArgumentError(
                 f"TinyDeepSeekV3 needs a gradpool.config.ModelConfig, got {type(cfg).__name__}")
+        _check_ep(cfg, ep)
         self.cfg = cfg
         rng = np.random.default_rng([seed, 0])
         self.embed = _normal(rng, (cfg.vocab_size, cfg.hidden_size), 1.0)
-        self.layers = nn.CellList([DecoderLayer(cfg, rng) for _ in range(cfg.num_layers)])
+        self.layers = nn.CellList([DecoderLayer(cfg, rng, ep if cfg.expert_parallel > 1 else None)
+                                   for _ in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size)
         self.head = _normal(rng, (cfg.vocab_size, cfg.hidden_size), cfg.hidden_size ** -0.5)
 
@@ -207,6 +229,20 @@ class TinyDeepSeekV3(nn.Cell):
     def loss(self, tokens: Tensor) -> Tensor:
         """Mean next-token cross-entropy of ``tokens`` [batch, seq_len + 1] (see make_batch)."""
         return next_token_loss(self, tokens)
+
+
+def _check_ep(cfg: ModelConfig, ep: Optional[ExpertParallel]) -> None:
+    if cfg.expert_parallel == 1:
+        if ep is not None and ep.size != 1:
+            raise InvalidArgumentError(
+                f"TinyDeepSeekV3: model.expert_parallel = 1 but an EP group of {ep.size} ranks "
+                "was given; set model.expert_parallel to the group's size or pass ep=None")
+        return
+    if ep is None or ep.size != cfg.expert_parallel:
+        raise InvalidArgumentError(
+            f"TinyDeepSeekV3: model.expert_parallel = {cfg.expert_parallel} needs this rank's "
+            f"EP group of that many ranks (ep=ExpertParallel(...)), got {ep!r}; build it with "
+            "gradpool.app.train.build_sharded_model, or use expert_parallel = 1 for one process")
 
 
 @dataclass(frozen=True)

@@ -152,14 +152,17 @@ def run_rank(cfg: RunConfig, out_dir, on_step: Optional[Callable] = None,
             if log_steps:
                 print(resumed_line(outcome.resumed), flush=True)
         reporter.publish(STEPS, steps)
+        saver = checkpoints.StepSaver(cfg, model, optimizer, world, rank)
+
+        def committed(saved: Optional[dict]) -> None:
+            if saved is not None:
+                outcome.saved.append(saved)
+                reporter.publish(checkpoints.LAST_CHECKPOINT, {"path": saved["path"],
+                                                                "step": saved["step"]})
 
         def write(record) -> None:
-            if checkpoints.save_due(cfg, record.step + 1):
-                record.saved = checkpoints.save_step(cfg, model, optimizer, record.step + 1,
-                                                     world, rank)
-                outcome.saved.append(record.saved)
-                reporter.publish(checkpoints.LAST_CHECKPOINT, {"path": record.saved["path"],
-                                                                "step": record.saved["step"]})
+            record.saved = saver.after_step(record.step + 1)
+            committed(record.saved)
             steps.append(dataclasses.asdict(record))
             reporter.publish(STEPS, steps)
             outcome.steps = record.step + 1 - first_step
@@ -167,6 +170,9 @@ def run_rank(cfg: RunConfig, out_dir, on_step: Optional[Callable] = None,
                 print(step_line(cfg, record, rank, world), flush=True)
                 if record.saved is not None:
                     print(saved_line(record.saved), flush=True)
+                if saver.started is not None:
+                    print(f"saving step {saver.started['step']} to {saver.started['path']} in "
+                          "the background (train.async_save)", flush=True)
             # every rank reaches this point of every step: rank 0 learns everyone's counters
             rows = exchange(runtime.comm, [getattr(record, n) for n, _ in STEP_FIELDS],
                             STEP_FIELDS)
@@ -178,6 +184,10 @@ def run_rank(cfg: RunConfig, out_dir, on_step: Optional[Callable] = None,
                 on_step(record)
         train_sharded(cfg, model, runtime.comm, runtime.pool, on_step=write,
                       optimizer=optimizer, first_step=first_step)
+        final = saver.finish()          # the end of the run commits a background save
+        committed(final)
+        if log_steps and final is not None:
+            print(saved_line(final), flush=True)
     except Exception as exc:  # noqa: BLE001 - the process boundary: record, then report
         outcome.status = STATUS_FAILED
         outcome.error_type = type(exc).__name__
@@ -220,7 +230,7 @@ def saved_line(saved: dict) -> str:
     """A saved checkpoint in the rank's log (the bytes are every rank's files together), and
     the step directories ``train.keep_last`` removed after it."""
     line = (f"saved step {saved['step']} to {saved['path']} ({saved['bytes']} B, "
-            f"{saved['seconds']:.2f} s)")
+            f"{saved['seconds']:.2f} s{checkpoints.background_text(saved)})")
     return line + checkpoints.removed_text(saved)
 
 

@@ -22,6 +22,7 @@ import numpy as np
 from mindspore import mint, nn
 
 from gradpool.app.model import TinyDeepSeekV3, make_batch_np, next_token_loss
+from gradpool.app.moe import ExpertParallel
 from gradpool.app.config import RunConfig
 from gradpool.dtypes import DTYPE_NAMES, dtype_named
 from gradpool.errors import GradPoolError
@@ -61,21 +62,59 @@ def build_sharded_model(cfg: RunConfig, replicate: Callable = None,
                         shard_placement_fn: Optional[Callable] = None) -> TinyDeepSeekV3:
     """The model with ``fully_shard`` applied to each decoder layer, then to the root.
 
-    ``replicate(model)`` may name parameters to keep whole (their gradients are all-reduced)."""
+    ``replicate(model)`` may name parameters to keep whole (their gradients are all-reduced).
+
+    With ``model.expert_parallel = E > 1`` the model holds this rank's experts only (EP groups
+    of E consecutive ranks, :mod:`gradpool.app.moe`), and each layer's ``moe.experts`` is a unit
+    of its own first, 1-D FSDP over the expert-data-parallel ranks (the W/E ranks with the same
+    experts, also under an HSDP mesh), with gradient divide factor W (1 with reduce_op sum):
+    the dispatcher already summed each expert's gradient over its EP group's E ranks. Dense
+    weights stay in units ``layers.<i>`` and the root, on the configured mesh."""
     from hyper_parallel import fully_shard
 
-    model = TinyDeepSeekV3(cfg.model, seed=cfg.train.seed)
+    ep_mesh = expert_mesh(cfg)
+    model = TinyDeepSeekV3(cfg.model, seed=cfg.train.seed, ep=expert_parallel(cfg, ep_mesh))
     kwargs = dict(mp_policy=mixed_precision(cfg), comm_fusion=cfg.fully_shard.comm_fusion,
                   reshard_after_forward=cfg.fully_shard.reshard_after_forward,
                   pool_config=cfg.gradpool, shard_placement_fn=shard_placement_fn,
                   replicate_params=set(replicate(model)) if replicate else None,
                   mesh=device_mesh(cfg))
+    if ep_mesh is not None:
+        for layer in model.layers:
+            fully_shard(layer.moe.experts, **{**kwargs, "mesh": ep_mesh["edp"]})
     for layer in model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     model.set_reduce_op_type(cfg.fully_shard.reduce_op)
     model.set_gradient_scaling_factor(cfg.fully_shard.gradient_scaling_factor)
+    if ep_mesh is not None:
+        factor = ep_mesh.size() if cfg.fully_shard.reduce_op == "avg" else 1
+        for layer in model.layers:
+            layer.moe.experts.set_gradient_divide_factor(factor)
     return model
+
+
+def expert_mesh(cfg: RunConfig):
+    """The (edp, ep) mesh of ``model.expert_parallel = E > 1``: W/E x E, EP groups of E
+    consecutive ranks along "ep"; None for E = 1."""
+    ep = cfg.model.expert_parallel
+    if ep == 1:
+        return None
+    from gradpool import init_distributed
+    from hyper_parallel import init_device_mesh
+    _, world = init_distributed()
+    return init_device_mesh("npu" if cfg.launch.device == "Ascend" else "cpu",
+                            (world // ep, ep), mesh_dim_names=("edp", "ep"))
+
+
+def expert_parallel(cfg: RunConfig, ep_mesh) -> Optional[ExpertParallel]:
+    """This rank's :class:`ExpertParallel` on ``ep_mesh`` (None without one)."""
+    if ep_mesh is None:
+        return None
+    from gradpool import runtime_for
+    group = ep_mesh.get_group("ep")
+    return ExpertParallel(size=ep_mesh.size("ep"), rank=ep_mesh.get_local_rank("ep"),
+                          comm=runtime_for(cfg.gradpool).group_comm(group), group=group)
 
 
 def device_mesh(cfg: RunConfig):
@@ -175,9 +214,11 @@ def _mean_over_ranks(comm, value: float) -> float:
 
 
 def train_reference(cfg: RunConfig, world: int) -> tuple[list[float], dict[str, np.ndarray]]:
-    """One unsharded model on the global batch: its losses and final parameters."""
+    """One unsharded model on the global batch: its losses and final parameters. It is the E=1
+    model (dense MoE, every expert) whatever ``model.expert_parallel`` says: the expert-parallel
+    model holds the same experts, split over ranks."""
     ref_cfg = replace(cfg, model=replace(cfg.model, batch_size=cfg.model.batch_size * world))
-    model = TinyDeepSeekV3(cfg.model, seed=cfg.train.seed)
+    model = TinyDeepSeekV3(replace(cfg.model, expert_parallel=1), seed=cfg.train.seed)
     params = model.trainable_params()
     grad_fn = ms.value_and_grad(lambda tokens: next_token_loss(model, tokens), None, params)
     optimizer = optimizer_for(cfg, params)

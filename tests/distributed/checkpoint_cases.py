@@ -42,6 +42,16 @@ HSDP = ["fully_shard.mesh_shape=[2, 2]", "fully_shard.mesh_dim_names=[dp_replica
         "launch.ranks=4"]      # a mesh covers launch.ranks
 
 
+# Expert parallelism (4 experts; EP groups of consecutive ranks, experts sharded over the ranks
+# holding the same ones): saved at 4 ranks with EP 2 ("e2"), loaded at EP 4 and EP 1 (4 ranks),
+# at 2 ranks with EP 2 and EP 1, and unsharded in the pytest process.
+EXPERTS = ["model.num_experts=4", "launch.ranks=4"]
+EP2, EP4, EP1 = (EXPERTS + ["model.expert_parallel=2"], EXPERTS + ["model.expert_parallel=4"],
+                 EXPERTS)
+EP2_AT_2, EP1_AT_2 = (["model.num_experts=4", "model.expert_parallel=2"],
+                      ["model.num_experts=4"])
+
+
 def shared() -> Path:
     return Path(os.environ["CHECKPOINT_SHARED"])
 
@@ -252,7 +262,63 @@ def w4_hsdp_replicas_write_once(ctx):
                                          ["rank-00000.safetensors", "rank-00001.safetensors"])}
 
 
+@suite.case
+def w4_ep2_save_and_full_state_dict(ctx):
+    """EP 2 at 4 ranks: train, save "e2", dump; the full state dicts hold every expert (each
+    from the ranks holding it), the same on every rank: written for the pytest side."""
+    cfg, model, optimizer = build(EP2)
+    train(cfg, model, optimizer, ctx, steps=2)
+    checkpoint.save(shared() / "e2", model, optimizer, step=2)
+    dump("e2", ctx, model, optimizer)
+    full = {"model/" + k: v for k, v in get_model_state_dict(model, full_state_dict=True).items()}
+    full.update({"optimizer/" + k: v for k, v in
+                 get_optimizer_state_dict(model, optimizer, full_state_dict=True).items()})
+    target = shared() / "full" / "e2"
+    target.mkdir(parents=True, exist_ok=True)
+    np.savez(target / f"rank{ctx.rank}.npz",
+             **{k: v.astype(ms.float32).asnumpy() for k, v in full.items()})
+    local = [p.name for p in model.trainable_params() if ".moe.experts." in p.name]
+    experts = sorted({k.split(".moe.experts.")[1].split(".")[0] for k in full
+                      if k.startswith("model/layers.0.moe.experts.")})
+    return {"local experts only": equal(len(local), 2 * 2 * 3),    # 2 layers x 2 experts x 3
+            "every expert in the full dict": equal(experts, ["0", "1", "2", "3"])}
+
+
+@suite.case
+def w4_ep2_full_state_dict_loads_into_ep4(ctx):
+    """set_model_state_dict takes a full dict holding every expert: each rank keeps its own."""
+    _, source, _ = build(EP2)
+    full = get_model_state_dict(source, full_state_dict=True)
+    _, model, _ = build(EP4, seed=5)
+    set_model_state_dict(model, full)
+    mine = {p.name: p for p in model.trainable_params()}
+    gathered = get_model_state_dict(model, full_state_dict=True)
+    same = all(np.array_equal(gathered[k].asnumpy(), v.asnumpy()) for k, v in full.items())
+    return {"round trip": equal(same, True), "some local experts": equal(
+        any(".moe.experts." in name for name in mine), True)}
+
+
+@suite.case
+def w4_load_ep2_at_ep4(ctx):
+    return _load_dump_save(ctx, EP4, "e2", "e2_at_ep4", seed=51, step=2)
+
+
+@suite.case
+def w4_load_ep2_at_ep1(ctx):
+    return _load_dump_save(ctx, EP1, "e2", "e2_at_ep1", seed=52, step=2)
+
+
 # -- phase 3: 2 ranks again -------------------------------------------------------------------
+@suite.case
+def back_load_ep2_at_2_ranks_ep2(ctx):
+    return _load_dump_save(ctx, EP2_AT_2, "e2", "e2_at_w2ep2", seed=53, step=2)
+
+
+@suite.case
+def back_load_ep2_at_2_ranks_ep1(ctx):
+    return _load_dump_save(ctx, EP1_AT_2, "e2", "e2_at_w2ep1", seed=54, step=2)
+
+
 @suite.case
 def back_load_hsdp_at_2(ctx):
     return _load_dump_save(ctx, FLAT, "h4", "h4_at_w2", seed=45, step=3)

@@ -136,6 +136,23 @@ class HSDPModule:
         for unit in self._hsdp_units():
             unit.gradient_scaling_factor = float(factor)
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide each reduced gradient by ``factor`` instead of by the group size (FSDP2's
+        name): the unit's reduce-scatter (and, HSDP, its replicate all-reduce) then sums, and
+        the sum is divided by ``factor``. ``set_reduce_op_type("avg")`` is the divide factor of
+        the whole group (shard x replicate size), ``"sum"`` that of 1; whichever of the two
+        calls came last decides. ``gradient_scaling_factor`` still multiplies afterwards.
+
+        Its use: an expert unit reduced over the W/E ranks holding the same experts, whose
+        local gradients the token dispatcher already summed over the E ranks of its EP group,
+        sets W, so expert gradients average over the same global batch as dense ones."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) \
+                or not math.isfinite(factor) or factor <= 0:
+            raise InvalidArgumentError(f"gradient divide factor must be a finite number > 0, got "
+                                       f"{factor!r}")
+        for unit in self._hsdp_units():
+            unit.set_gradient_divide_factor(float(factor))
+
     def set_modules_to_forward_prefetch(self, modules: list) -> None:
         """When this module's unit starts its forward (right after its own all-gather), launch
         the all-gathers of ``modules``' units asynchronously, so their parameters are ready
@@ -170,6 +187,8 @@ class HSDPModule:
         return units
 
     def set_reduce_op_type(self, reduce_op_type: str) -> None:
+        """"avg" (default): reduced gradients are divided by the group size; "sum": not
+        divided. Replaces an earlier ``set_gradient_divide_factor``."""
         for unit in self._hsdp_units():
             unit.set_reduce_op(reduce_op_type)
 

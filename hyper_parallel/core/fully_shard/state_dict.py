@@ -9,7 +9,8 @@ shaped like the parameter they were built on, which here is the local shard); ev
 
 ``full_state_dict=True`` gathers each sharded tensor in its own shard group (HSDP replicas hold
 the same shard, so nothing is counted twice) and gives plain tensors under the unsharded model's
-names, identical on every rank. ``full_state_dict=False`` gives each rank its unpadded shards as
+names, identical on every rank; a tensor only some ranks hold (an expert under expert
+parallelism) is sent to the others by its first holder (:mod:`.held_by_some`). ``full_state_dict=False`` gives each rank its unpadded shards as
 :class:`ShardedTensor` (what a distributed checkpoint writes) and its whole tensors as they are.
 ``set_*`` takes either form: each rank takes the part its own layout needs; a sharded dict made
 at another world size or mesh lacks parts and is refused (load a checkpoint to reshard).
@@ -31,6 +32,7 @@ from mindspore import mint
 
 from gradpool import InvalidArgumentError, StateMismatchError, unshard
 from hyper_parallel.core.dtensor.boxes import Box, plan_reads, shard_box
+from hyper_parallel.core.fully_shard.held_by_some import share_full_tensors, world_keys
 
 __all__ = ["ShardedTensor", "StateEntry", "model_entries", "optimizer_entries",
            "get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict",
@@ -207,8 +209,8 @@ def optimizer_entries(model, optimizer) -> list[StateEntry]:
 
 
 def _state_dict(entries: list[StateEntry], full: bool) -> dict:
-    if full:
-        return {e.name: e.full() for e in entries}
+    if full:        # tensors only some ranks hold (experts) come from their holders
+        return share_full_tensors({e.name: e.full() for e in entries})
     return {e.name: ShardedTensor(ms.Tensor(e.local_values()), e.global_shape, e.box.offsets)
             if e.sharded else e.tensor.copy() for e in entries}
 
@@ -222,7 +224,8 @@ def _check_keys(entries: list[StateEntry], state_dict: Mapping, what: str) -> No
     if missing:
         raise StateMismatchError(f"{what} has no {missing[0]!r} ({len(missing)} keys missing); "
                                  f"the model needs every one of {len(names)} keys")
-    known = set(names)
+    # a key this rank does not hold is expected when another rank holds it (experts)
+    known = set(world_keys({e.name: (e.global_shape, e.dtype) for e in entries}))
     unexpected = [k for k in state_dict if k not in known]
     if unexpected:
         raise StateMismatchError(f"{what} has {unexpected[0]!r}, which the model does not have "

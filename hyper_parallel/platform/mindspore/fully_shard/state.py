@@ -131,6 +131,7 @@ class HSDPUnitState:
         self.is_last_backward = True
         self.gradient_scaling_factor = 1.0
         self.reduce_op = "avg"
+        self.gradient_divide_factor: Optional[float] = None   # set: sum, then divide by it
         self._pending: Optional[tuple[list[PackedBucket], list[PackedBucket]]] = None
         self._gather = _make_gather_function(self)
         # Per-step state (one reset path: settle_backward at the end of each backward pass,
@@ -480,7 +481,7 @@ class HSDPUnitState:
             self._accumulate(self.params)
             self._end_of_backward()
             return self._zero_grads()
-        self.reduce(self.params, self.reduce_op)
+        self.reduce(self.params, self._wire_op())
         if self._holds_partials():
             out = self._keep_partials()
         elif self.async_reduce:
@@ -593,7 +594,13 @@ class HSDPUnitState:
         return self.reducer.reduce_scatter(grads, [p.shard_dim for p in group], op=op,
                                            across_replicas=across)
 
+    def _wire_op(self) -> str:
+        """The reducer's op: a divide factor replaces the op's own division by a plain sum."""
+        return "sum" if self.gradient_divide_factor is not None else self.reduce_op
+
     def _scaled(self, reduced: ms.Tensor) -> ms.Tensor:
+        if self.gradient_divide_factor is not None:
+            reduced = mint.div(reduced, self.gradient_divide_factor)   # out of place
         if self.gradient_scaling_factor == 1.0:
             return reduced
         return mint.mul(reduced, self.gradient_scaling_factor)     # out of place: a new tensor
@@ -709,6 +716,11 @@ class HSDPUnitState:
     def set_reduce_op(self, op: str) -> None:
         check_reduce_op(op)
         self.reduce_op = op
+        self.gradient_divide_factor = None
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Checked by ``HSDPModule.set_gradient_divide_factor``."""
+        self.gradient_divide_factor = factor
 
     def zero_grad(self) -> None:
         """Drop this unit's gradients; reduces still in flight (any unit's, in launch order) are

@@ -1,0 +1,115 @@
+"""Tensors of the state that only some ranks hold: under expert parallelism each rank holds its
+own experts (``layers.0.moe.experts.5.gate`` lives on the ranks of one EP position), so a full
+state dict, which every rank gets whole, needs them from the ranks that hold them, and a key a
+rank does not hold is not "unexpected" when another rank holds it.
+
+Both questions are asked of the whole world: :func:`world_keys` exchanges every rank's tensor
+names (with shape and dtype), and :func:`share_full_tensors` sends each tensor some ranks lack
+from its first holder to every rank. Every rank of the world calls them, in the same order.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import mindspore as ms
+import ml_dtypes
+import numpy as np
+
+from gradpool import StateMismatchError
+
+# Sizes and bytes travel as float32 sums (the collective dtype every backend has): exact for
+# integers below 2 ** 24, so one rank's name list must stay below 16 MiB of JSON.
+_EXACT_LIMIT = 1 << 24
+# Values travel as float32 too: exact for these dtypes, which every parameter and optimizer
+# state of a fully_shard model has.
+_FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class WorldKey:
+    shape: tuple
+    dtype: str
+    holders: tuple          # world ranks holding the whole tensor, ascending
+
+
+def _world_comm():
+    from gradpool import communicator_for
+    return communicator_for()
+
+
+def _all_sum(comm, values: np.ndarray) -> np.ndarray:
+    buf = ms.Tensor(values.astype(np.float32))
+    comm.all_reduce(buf, op="sum").wait()
+    return buf.asnumpy()
+
+
+def world_keys(local: dict, comm=None) -> dict:
+    """``{name: WorldKey}`` over every rank's ``local`` ``{name: (shape, dtype name)}``; a name
+    two ranks give different shapes or dtypes is a :class:`StateMismatchError`."""
+    comm = comm or _world_comm()
+    if comm.world_size == 1:
+        return {name: WorldKey(tuple(shape), dtype, (0,)) for name, (shape, dtype) in local.items()}
+    payload = json.dumps({name: [list(shape), dtype] for name, (shape, dtype) in local.items()},
+                         sort_keys=True).encode()
+    if len(payload) >= _EXACT_LIMIT:
+        raise StateMismatchError(f"rank {comm.rank} holds {len(local)} tensors whose names take "
+                                 f"{len(payload)} bytes; at most {_EXACT_LIMIT - 1} can be shared")
+    sizes = np.zeros(comm.world_size, np.float32)
+    sizes[comm.rank] = len(payload)
+    sizes = [int(n) for n in _all_sum(comm, sizes)]
+    start = sum(sizes[:comm.rank])
+    data = np.zeros(sum(sizes), np.float32)
+    data[start:start + len(payload)] = np.frombuffer(payload, np.uint8)
+    data = _all_sum(comm, data).astype(np.uint8)
+    merged: dict = {}
+    offset = 0
+    for rank, size in enumerate(sizes):
+        for name, (shape, dtype) in json.loads(bytes(data[offset:offset + size])).items():
+            key = merged.get(name)
+            if key is not None and (key.shape, key.dtype) != (tuple(shape), dtype):
+                raise StateMismatchError(
+                    f"{name!r} is {dtype} {tuple(shape)} on rank {rank} but {key.dtype} "
+                    f"{key.shape} on rank {key.holders[0]}; every rank must build the same model")
+            holders = (key.holders if key else ()) + (rank,)
+            merged[name] = WorldKey(tuple(shape), dtype, holders)
+        offset += size
+    return merged
+
+
+def share_full_tensors(full: dict, comm=None) -> dict:
+    """``full`` (this rank's whole tensors by name) with every tensor some other rank holds and
+    this one lacks, sent by its first holder; the same dict on every rank."""
+    comm = comm or _world_comm()
+    if comm.world_size == 1:
+        return full
+    keys = world_keys({name: (tuple(t.shape), str(t.dtype).lower()) for name, t in full.items()},
+                      comm)
+    shared = dict(full)
+    for name in sorted(keys):
+        key = keys[name]
+        if len(key.holders) == comm.world_size:
+            continue
+        if key.dtype not in _FLOAT_DTYPES:
+            raise StateMismatchError(f"{name!r} ({key.dtype}) is held by ranks {key.holders} "
+                                     f"only; a full state dict can share only {_FLOAT_DTYPES}")
+        values = np.zeros(key.shape, np.float32)
+        if comm.rank == key.holders[0]:
+            values = _host_float32(full[name])
+        total = _all_sum(comm, values.reshape(-1)).reshape(key.shape)
+        if name not in full:
+            shared[name] = _as_tensor(total, key.dtype)
+    return shared
+
+
+def _host_float32(tensor: ms.Tensor) -> np.ndarray:
+    if tensor.dtype == ms.bfloat16:
+        return np.array(tensor.asnumpy()).view(np.uint16).view(ml_dtypes.bfloat16) \
+            .astype(np.float32)
+    return np.array(tensor.asnumpy(), np.float32)
+
+
+def _as_tensor(values: np.ndarray, dtype: str) -> ms.Tensor:
+    if dtype == "bfloat16":
+        return ms.Tensor(values, ms.float32).astype(ms.bfloat16)
+    return ms.Tensor(values.astype(np.float16 if dtype == "float16" else np.float32))
