@@ -17,7 +17,9 @@ garbage then, and would otherwise sit in the baseline as free heap the run reuse
 ``replicate`` hook of ``build_sharded_model`` runs exactly there and names no parameter, so the
 sharding is the one ``gradpool train`` applies. The model memory at the peak, set against the
 plan, is ``growth`` plus the parameters the rank built (its dense weights and its local experts,
-all float32): ``fully_shard`` releases those and they are in the baseline.
+all float32): ``fully_shard`` releases those and they are in the baseline. Unlike the dense
+rows the plan's figure includes its activation estimate (every layer's, no recompute): with E=1
+every expert runs on every token, and that is not negligible here.
 
 Training: plain mode (no ``main_grad``), float32 reduce, hand-written SGD (no optimizer state),
 ``reshard_after_forward`` on; the plan is asked with the same settings.
@@ -98,7 +100,9 @@ def moe_config(options: MoeOptions, ep: int):
 class MoePrediction:
     """The plan's figures for one EP, per rank."""
 
-    as_implemented_bytes: int         # what it sets against the measured model memory at peak
+    with_activations_bytes: int       # what is set against the measured model memory at peak
+    as_implemented_bytes: int         # the same without activations (what the dense rows use)
+    activation_bytes: int             # every layer's, no recompute (dense E=1: every expert's)
     expert_shard_bytes: int           # the rank's shards of its experts (float32)
     gathered_at_once_bytes: int       # parameters gathered at the peak (root + two layers)
     largest_unit_grad_bytes: int      # one unit's full gradient in its backward
@@ -118,7 +122,9 @@ def predicted(options: MoeOptions, ep: int) -> MoePrediction:
     else:       # E = 1: the experts are in their layers' units, sharded over every rank
         expert_shard = _expert_shard_elements(plan, cfg) * 4
     return MoePrediction(
-        as_implemented_bytes=plan.context.as_implemented_bytes, expert_shard_bytes=expert_shard,
+        with_activations_bytes=plan.fit.with_activations_bytes,
+        as_implemented_bytes=plan.context.as_implemented_bytes,
+        activation_bytes=plan.activations.plain_bytes, expert_shard_bytes=expert_shard,
         gathered_at_once_bytes=plan.context.gathered_at_once_bytes,
         largest_unit_grad_bytes=plan.context.largest_unit_grad_bytes,
         pool_high_water_bytes=plan.pool.high_water_bytes,
@@ -164,7 +170,7 @@ class MoeRun:
     @property
     def gap(self) -> float:
         """The plan against the measurement: negative when it predicts less."""
-        return self.plan.as_implemented_bytes / self.held_bytes - 1
+        return self.plan.with_activations_bytes / self.held_bytes - 1
 
 
 def _mib(nbytes: float) -> str:
@@ -185,11 +191,12 @@ def report_lines(options: MoeOptions, runs: list) -> list:
             f"    EP={run.ep}{' (plain FSDP)' if run.ep == 1 else ''}: growth per rank "
             f"{per_rank} MiB; built {_mib(p.built_bytes)} MiB ({_mib(p.built_expert_bytes)} of "
             f"experts); model memory at peak {_mib(run.held_bytes)} MiB, plan "
-            f"{_mib(p.as_implemented_bytes)} MiB ({run.gap:+.0%}); pool high-water "
+            f"{_mib(p.with_activations_bytes)} MiB ({run.gap:+.0%}; "
+            f"{_mib(p.activation_bytes)} of it activations); pool high-water "
             f"{_mib(run.pool_high_water_bytes)} MiB (plan {_mib(p.pool_high_water_bytes)})")
     if runs:
         lines.append("moe: " + ", ".join(
-            f"EP={r.ep} {_mib(r.held_bytes)} MiB (plan {_mib(r.plan.as_implemented_bytes)})"
+            f"EP={r.ep} {_mib(r.held_bytes)} MiB (plan {_mib(r.plan.with_activations_bytes)})"
             for r in runs))
     return lines
 
@@ -223,9 +230,10 @@ def run_rank(options: MoeOptions, ep: int, rank: int, world: int, device: str) -
     start = time.perf_counter()
     model = build_sharded_model(cfg, replicate=baseline_here)
     meter = taken["meter"]
+    sharded_rss = read_status()["VmRSS"] - meter.baseline
     params = model.trainable_params()
     grad_fn = ms.value_and_grad(lambda tokens: next_token_loss(model, tokens), None, params)
-    losses, step_seconds, expert_rows = [], [], []
+    losses, step_seconds, expert_rows, peaks = [], [], [], []
     for step in range(options.steps):
         began = time.perf_counter()
         model.zero_grad()
@@ -238,6 +246,7 @@ def run_rank(options: MoeOptions, ep: int, rank: int, world: int, device: str) -
         losses.append(float(loss.asnumpy()))
         step_seconds.append(time.perf_counter() - began)
         expert_rows.append(_expert_rows(model, cfg, ep))
+        peaks.append(meter.peak() - meter.baseline)     # where the growth happens
     peak = meter.peak()
     from gradpool.runtime import all_runtimes
     high_water = sum(rt.pool.stats().high_water_bytes for rt in all_runtimes())
@@ -245,6 +254,7 @@ def run_rank(options: MoeOptions, ep: int, rank: int, world: int, device: str) -
             "experts": options.experts, "steps": options.steps,
             "before_build_bytes": before_build, "baseline_bytes": meter.baseline,
             "peak_bytes": peak, "growth_bytes": peak - meter.baseline,
+            "growth_by_step": peaks, "after_shard_bytes": sharded_rss,
             "built_bytes": taken["built"], "built_expert_bytes": taken["experts"],
             "source": meter.source, "high_water_reset": meter.reset,
             "pool_high_water_bytes": high_water, "library_bytes": library_bytes,
