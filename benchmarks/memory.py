@@ -24,7 +24,12 @@ blocks' worth. The full run gives the pair ranks of its own; ``--quick`` runs it
 ranks after the control (a launch costs ~14 s): the same difference, both peaks lower by what the
 control leaves that the pair reuses (docs/benchmarks/memory.md).
 
-    python -m benchmarks.memory [--quick] [--layers N --hidden H --batch B --steps S]
+The MoE rows (:mod:`benchmarks.memory_moe`): the tiny DeepSeek model with expert-heavy sizes at
+4 ranks, expert parallelism 1 (plain FSDP) against 2 and 4, each its own launch, the model memory
+at the peak beside the plan's prediction for the same config (with its activation estimate).
+``--quick`` runs EP 1 and 4 only, 2 steps; ``--moe-only`` runs nothing else.
+
+    python -m benchmarks.memory [--quick] [--moe-only] [--layers N --hidden H --batch B --steps S]
 """
 from __future__ import annotations
 
@@ -358,7 +363,8 @@ def recompute_lines(row: RecomputeRow) -> list:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="fewer steps; the recompute pair in the control's ranks")
+                        help="fewer steps; the recompute pair in the control's ranks; MoE EP 1 "
+                             "and 4 only")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--hidden", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None)
