@@ -120,7 +120,7 @@ def predicted(options: MoeOptions, ep: int) -> MoePrediction:
     if plan.experts is not None:
         expert_shard = plan.experts.expert_shard_elements * 4
     else:       # E = 1: the experts are in their layers' units, sharded over every rank
-        expert_shard = _expert_shard_elements(plan, cfg) * 4
+        expert_shard = _expert_shard_elements(cfg) * 4
     return MoePrediction(
         with_activations_bytes=plan.fit.with_activations_bytes,
         as_implemented_bytes=plan.context.as_implemented_bytes,
@@ -132,7 +132,7 @@ def predicted(options: MoeOptions, ep: int) -> MoePrediction:
         built_expert_bytes=sum(s.numel for s in held if EXPERT in s.name) * 4)
 
 
-def _expert_shard_elements(plan, cfg) -> int:
+def _expert_shard_elements(cfg) -> int:
     """E = 1: the experts' share of the rank's shards, as the plan lays them out (the same
     per-parameter dim-0 chunks its reduce layouts use)."""
     from gradpool.app.plan.geometry import _geometry
