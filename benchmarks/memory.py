@@ -24,7 +24,12 @@ blocks' worth. The full run gives the pair ranks of its own; ``--quick`` runs it
 ranks after the control (a launch costs ~14 s): the same difference, both peaks lower by what the
 control leaves that the pair reuses (docs/benchmarks/memory.md).
 
-    python -m benchmarks.memory [--quick] [--layers N --hidden H --batch B --steps S]
+The MoE rows (:mod:`benchmarks.memory_moe`): the tiny DeepSeek model with expert-heavy sizes at
+4 ranks, expert parallelism 1 (plain FSDP) against 2 and 4, each its own launch, the model memory
+at the peak beside the plan's prediction for the same config (with its activation estimate).
+``--quick`` runs EP 1 and 4 only, 2 steps; ``--moe-only`` runs nothing else.
+
+    python -m benchmarks.memory [--quick] [--moe-only] [--layers N --hidden H --batch B --steps S]
 """
 from __future__ import annotations
 
@@ -37,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from benchmarks.memory_moe import MoeOptions, MoeRun, predicted as moe_predicted
+from benchmarks.memory_moe import report_lines as moe_report_lines
 from gradpool.app.config import from_dict
 from gradpool.app.model import ParamSpec
 from gradpool.app.plan import plan_memory
@@ -44,6 +51,7 @@ from gradpool.app.rank_report import read_reports
 
 MIB = 2 ** 20
 WORKER = Path(__file__).with_name("memory_worker.py")
+MOE_WORKER = Path(__file__).with_name("memory_moe.py")
 
 
 class MemoryBenchmarkError(RuntimeError):
@@ -72,6 +80,9 @@ class MemoryOptions:
     # control ranks, after the control: the same difference, both peaks ~10 MiB lower (what the
     # control leaves that the pair reuses; docs/benchmarks/memory.md)
     recompute_alone: bool = True
+    # the MoE rows (None: left out): the tiny DeepSeek model, expert-heavy, EP 1 against E > 1
+    # at one world size, each EP its own launch (benchmarks/memory_moe.py)
+    moe: Optional[MoeOptions] = MoeOptions()
 
     @classmethod
     def quick(cls) -> "MemoryOptions":
@@ -79,7 +90,7 @@ class MemoryOptions:
         # after the first step (every buffer the step needs exists by then); the recompute
         # pair's peak is its first step's too (the same activations every step), and it rides
         # in the control's ranks rather than pay a launch
-        return cls(steps=2, recompute_steps=1, recompute_alone=False)
+        return cls(steps=2, recompute_steps=1, recompute_alone=False, moe=MoeOptions.quick())
 
     def worker_args(self) -> list:
         return ["--layers", str(self.layers), "--hidden", str(self.hidden),
@@ -155,6 +166,7 @@ class MemoryResult:
     runs: list
     controls: dict = field(default_factory=dict)     # world -> the collectives-only Run
     recompute: Optional[RecomputeRow] = None
+    moe: list = field(default_factory=list)          # of MoeRun, in options.moe.eps order
 
     def run(self, world: int, reshard: Optional[bool] = True) -> Run:
         return next(r for r in self.runs
@@ -208,12 +220,15 @@ def _run_unsharded(options: MemoryOptions, out_dir: Path) -> Run:
 
 
 def _launch(options: MemoryOptions, out_dir: Path, world: int, name: Optional[str],
-            flags: list, label: Optional[str] = None) -> list:
-    """Run the worker on ``world`` ranks; the records published under ``name`` (None: none
-    read here). ``label`` names the launch in errors (default ``name``)."""
+            flags: list, label: Optional[str] = None, worker: Path = WORKER,
+            sizes: Optional[list] = None) -> list:
+    """Run ``worker`` on ``world`` ranks; the records published under ``name`` (None: none
+    read here). ``label`` names the launch in errors (default ``name``); ``sizes`` the model's
+    arguments (default the dense stack's)."""
     from gradpool.app.launch import LaunchError, run_ranks
+    sizes = options.worker_args() if sizes is None else sizes
     try:
-        run_ranks(WORKER, [str(out_dir), *flags, *options.worker_args()], nproc=world,
+        run_ranks(worker, [str(out_dir), *flags, *sizes], nproc=world,
                   log_dir=out_dir / "logs", report_dir=out_dir, timeout=options.timeout)
     except LaunchError as exc:
         raise MemoryBenchmarkError(f"{label or name}: {exc}") from None
@@ -250,6 +265,15 @@ def _run_recompute_alone(options: MemoryOptions, out_dir: Path, world: int) -> R
     return _pair(out_dir, world)
 
 
+def _run_moe(options: MemoryOptions, out_dir: Path, ep: int) -> MoeRun:
+    moe = options.moe
+    run = MoeRun(ep, moe.world)
+    run.records = _launch(options, out_dir, moe.world, run.name, ["--ep", str(ep)],
+                          worker=MOE_WORKER, sizes=moe.args())
+    run.plan = moe_predicted(moe, ep)
+    return run
+
+
 def run(options: MemoryOptions = MemoryOptions(), out_dir=None) -> MemoryResult:
     """Every configuration, one after the other (they would share the cores)."""
     base = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="gp-memory-"))
@@ -267,7 +291,16 @@ def run(options: MemoryOptions = MemoryOptions(), out_dir=None) -> MemoryResult:
         if world == pair_world and result.recompute is None:
             result.recompute = _run_recompute_alone(options, base / f"w{world}-recompute",
                                                     world)
+    result.moe = run_moe_rows(options, base)
     return result
+
+
+def run_moe_rows(options: MemoryOptions, out_dir=None) -> list:
+    """The MoE rows alone, one launch per EP (none without ``options.moe``)."""
+    base = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="gp-moe-"))
+    moe = options.moe
+    return [_run_moe(options, base / f"moe-w{moe.world}-ep{ep}", ep)
+            for ep in (moe.eps if moe is not None else ())]
 
 
 def _mib(nbytes: float) -> str:
@@ -300,6 +333,8 @@ def report_lines(result: MemoryResult) -> list:
                      f"({net / unsharded:.2f}x unsharded, a diagnostic, not the headline)")
     if result.recompute is not None:
         lines.extend(recompute_lines(result.recompute))
+    if result.moe:
+        lines.extend(moe_report_lines(o.moe, result.moe))
     # the headline is the default, reshard_after_forward=True, nothing subtracted
     lines.append("memory: " + ", ".join(
         f"W={w} {_mib(result.run(w).growth_bytes)} MiB ({result.ratio(w):.2f}x unsharded)"
@@ -328,22 +363,28 @@ def recompute_lines(row: RecomputeRow) -> list:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="fewer steps; the recompute pair in the control's ranks")
+                        help="fewer steps; the recompute pair in the control's ranks; MoE EP 1 "
+                             "and 4 only")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--hidden", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--worlds", type=int, nargs="+", default=None)
+    parser.add_argument("--moe-only", action="store_true",
+                        help="only the MoE rows (EP 1 against E > 1), not the dense stack")
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="where the runs' reports and logs go (default: a new temp dir)")
     args = parser.parse_args(argv)
     options = options_from(args, MemoryOptions.quick() if args.quick else MemoryOptions())
     try:
-        result = run(options, args.out_dir)
+        if args.moe_only:
+            lines = moe_report_lines(options.moe, run_moe_rows(options, args.out_dir))
+        else:
+            lines = report_lines(run(options, args.out_dir))
     except MemoryBenchmarkError as exc:
         print(f"memory bench: FAILED: {exc}", file=sys.stderr)
         return 1
-    for line in report_lines(result):
+    for line in lines:
         print(line)
     return 0
 
