@@ -13,7 +13,9 @@ from :mod:`gradpool.app.model`:
 * the router's probabilities ``[N, num_experts]``;
 * the experts. With ``expert_parallel = 1`` the model computes densely, every expert on every
   token: four ``[num_experts, N, expert_hidden]`` intermediates (gate, up, silu, product) and the
-  per-expert outputs ``[num_experts, N, H]``. With ``E > 1`` each rank computes its local experts
+  per-expert outputs ``[num_experts, N, H]``; it stacks the experts' gathered weights into three
+  ``[num_experts, H, expert_hidden]`` tensors for one batched matmul, and autograd keeps those
+  copies until the layer's backward (after the gathered weights themselves are released). With ``E > 1`` each rank computes its local experts
   on the tokens routed to them only: with balanced routing ``P = N * k`` token-expert pairs per
   rank (the EP group's ``E * N`` tokens times ``k`` routes, over E ranks), each keeping its input
   row ``[H]``, four ``[expert_hidden]`` intermediates and its output row ``[H]``;
@@ -82,7 +84,8 @@ def plan_activations(cfg: RunConfig, compute_dtype: str, dispatcher: str) -> Act
     router = tokens * m.num_experts
     if ep == 1:
         pairs = tokens * m.num_experts
-        experts = m.num_experts * tokens * (4 * inner + hidden)
+        stacked_weights = 3 * m.num_experts * hidden * inner
+        experts = m.num_experts * tokens * (4 * inner + hidden) + stacked_weights
         kept = transient = 0
         dispatcher = "dense (expert_parallel 1: every expert on every token)"
     else:
@@ -96,7 +99,8 @@ def plan_activations(cfg: RunConfig, compute_dtype: str, dispatcher: str) -> Act
             kept = transient = pairs * hidden * size
     # the largest single tensor a layer keeps: its gradient exists beside it in backward
     rows = m.num_experts * tokens if ep == 1 else pairs      # rows the experts compute on
-    largest = max(scores, tokens * hidden, router, rows * inner, rows * hidden)
+    stack = m.num_experts * hidden * inner if ep == 1 else 0     # one stacked weight (dense)
+    largest = max(scores, tokens * hidden, router, rows * inner, rows * hidden, stack)
     per_layer = (2 * norm + attention + router + experts) * size + kept
     layer_input = tokens * hidden * size
     root = (2 * tokens * hidden + tokens) * size + 2 * tokens * m.vocab_size * LOSS_BYTES
