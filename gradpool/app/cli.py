@@ -138,7 +138,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="copy-reduce: copy-in and reduce-step suites, JSON and report; "
                             "overlap: latency the asynchronous reduce hides (world size 1); "
                             "memory: per-rank peak memory of a dense stack, unsharded and on 2 "
-                            "and 4 msrun ranks")
+                            "and 4 msrun ranks, and of an MoE stack at 4 ranks with expert "
+                            "parallelism 1, 2 and 4, each beside the plan")
     bench.set_defaults(command=_bench)
     return parser
 
