@@ -27,9 +27,9 @@ class TestMoEOn4Ranks(SuiteTests):
 
 
 @pytest.mark.parametrize("extra", [["fully_shard.apply_grad_on_fp32_main_grad=true"],
-                                   ["fully_shard.apply_grad_on_fp32_main_grad=false"],
-                                   ["train.micro_steps=2", "fully_shard.comm_fusion=true"]],
-                         ids=["main_grad", "plain", "micro_steps_fused"])
+                                   ["fully_shard.apply_grad_on_fp32_main_grad=false",
+                                    "train.micro_steps=2", "fully_shard.comm_fusion=true"]],
+                         ids=["main_grad", "plain_micro_steps_fused"])
 def test_the_main_job_with_expert_parallelism_matches_its_reference(extra):
     """SGD at a large learning rate, so an expert gradient off by a factor shows in the losses
     (Adam would mostly hide it)."""
