@@ -3,9 +3,10 @@ own experts (``layers.0.moe.experts.5.gate`` lives on the ranks of one EP positi
 state dict, which every rank gets whole, needs them from the ranks that hold them, and a key a
 rank does not hold is not "unexpected" when another rank holds it.
 
-Both questions are asked of the whole world: :func:`world_keys` exchanges every rank's tensor
-names (with shape and dtype), and :func:`share_full_tensors` sends each tensor some ranks lack
-from its first holder to every rank. Every rank of the world calls them, in the same order.
+Both questions are asked of the whole world: :func:`world_keys` exchanges the ranks' tensor
+names (with shape and dtype; only a digest where every rank holds the same), and
+:func:`share_full_tensors` sends each tensor some ranks lack from its first holder to every
+rank. Every rank of the world calls them, in the same order.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import mindspore as ms
 import ml_dtypes
 import numpy as np
+import xxhash
 
 from gradpool import StateMismatchError
 
@@ -44,28 +46,56 @@ def _all_sum(comm, values: np.ndarray) -> np.ndarray:
     return buf.asnumpy()
 
 
+def _digests(comm, payload: bytes) -> list[int]:
+    """Every rank's 64-bit digest of its ``payload``, exactly: four 16-bit limbs a rank in one
+    float32 all-reduce (each rank fills its own slots)."""
+    limbs = np.zeros(4 * comm.world_size, np.float32)
+    digest = xxhash.xxh3_64_intdigest(payload)
+    for j in range(4):
+        limbs[4 * comm.rank + j] = (digest >> (16 * j)) & 0xFFFF
+    got = _all_sum(comm, limbs)
+    return [sum(int(got[4 * r + j]) << (16 * j) for j in range(4))
+            for r in range(comm.world_size)]
+
+
 def world_keys(local: dict, comm=None) -> dict:
     """``{name: WorldKey}`` over every rank's ``local`` ``{name: (shape, dtype name)}``; a name
-    two ranks give different shapes or dtypes is a :class:`StateMismatchError`."""
+    two ranks give different shapes or dtypes is a :class:`StateMismatchError`.
+
+    Ranks first compare digests of their name lists (one small all-reduce): where every rank
+    holds the same tensors, as under plain FSDP, nothing more travels; otherwise only one rank of
+    each distinct list sends it (under expert parallelism, one a position of the EP group)."""
     comm = comm or _world_comm()
     if comm.world_size == 1:
         return {name: WorldKey(tuple(shape), dtype, (0,)) for name, (shape, dtype) in local.items()}
     payload = json.dumps({name: [list(shape), dtype] for name, (shape, dtype) in local.items()},
                          sort_keys=True).encode()
+    digests = _digests(comm, payload)
+    if len(set(digests)) == 1:
+        every = tuple(range(comm.world_size))
+        return {name: WorldKey(tuple(shape), dtype, every)
+                for name, (shape, dtype) in local.items()}
+    senders = {digest: digests.index(digest) for digest in digests}     # first rank of each list
     if len(payload) >= _EXACT_LIMIT:
         raise StateMismatchError(f"rank {comm.rank} holds {len(local)} tensors whose names take "
                                  f"{len(payload)} bytes; at most {_EXACT_LIMIT - 1} can be shared")
     sizes = np.zeros(comm.world_size, np.float32)
-    sizes[comm.rank] = len(payload)
+    if senders[digests[comm.rank]] == comm.rank:
+        sizes[comm.rank] = len(payload)
     sizes = [int(n) for n in _all_sum(comm, sizes)]
     start = sum(sizes[:comm.rank])
     data = np.zeros(sum(sizes), np.float32)
-    data[start:start + len(payload)] = np.frombuffer(payload, np.uint8)
+    if sizes[comm.rank]:
+        data[start:start + len(payload)] = np.frombuffer(payload, np.uint8)
     data = _all_sum(comm, data).astype(np.uint8)
-    merged: dict = {}
-    offset = 0
+    lists, offset = {}, 0
     for rank, size in enumerate(sizes):
-        for name, (shape, dtype) in json.loads(bytes(data[offset:offset + size])).items():
+        if size:
+            lists[rank] = json.loads(bytes(data[offset:offset + size]))
+        offset += size
+    merged: dict = {}
+    for rank, digest in enumerate(digests):
+        for name, (shape, dtype) in lists[senders[digest]].items():
             key = merged.get(name)
             if key is not None and (key.shape, key.dtype) != (tuple(shape), dtype):
                 raise StateMismatchError(
@@ -73,7 +103,6 @@ def world_keys(local: dict, comm=None) -> dict:
                     f"{key.shape} on rank {key.holders[0]}; every rank must build the same model")
             holders = (key.holders if key else ()) + (rank,)
             merged[name] = WorldKey(tuple(shape), dtype, holders)
-        offset += size
     return merged
 
 
