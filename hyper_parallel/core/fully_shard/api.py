@@ -94,7 +94,7 @@ class HSDPModule:
         if not isinstance(value, bool):
             raise InvalidArgumentError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
         for unit in self._hsdp_units():
-            setattr(unit, attribute, value)
+            setattr(unit.settings, attribute, value)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """False: micro-steps accumulate in the unit's pool buckets, no collective runs."""
@@ -134,7 +134,7 @@ class HSDPModule:
             raise InvalidArgumentError(f"gradient scaling factor must be a finite number > 0, got "
                              f"{factor!r}")
         for unit in self._hsdp_units():
-            unit.gradient_scaling_factor = float(factor)
+            unit.settings.gradient_scaling_factor = float(factor)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide each reduced gradient by ``factor`` instead of by the group size (FSDP2's

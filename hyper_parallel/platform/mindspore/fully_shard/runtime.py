@@ -149,7 +149,7 @@ class FullyShardRuntime:
         is settled (its gathered memory released, its per-step state at rest)."""
         units = list(self.backward_units.values())
         self.backward_pass, self.backward_units = None, {}
-        last = all(unit.is_last_backward for unit in units)
+        last = all(unit.settings.is_last_backward for unit in units)
         try:
             if last:
                 self.abandon_prefetches()
