@@ -34,6 +34,7 @@ from hyper_parallel import fully_shard, init_device_mesh
 from hyper_parallel.core.activation_checkpoint import checkpoint, checkpoint_wrapper
 from hyper_parallel.core.fully_shard import MixedPrecisionPolicy
 from npref import np_chunk
+import tied_cases  # noqa: E402  (its cases join this suite)
 
 suite = Suite("patterns", blocking_launch=True)
 STEPS = 3
@@ -343,6 +344,9 @@ def dropped_models_return_their_leases(ctx) -> dict:
     finally:
         gc.enable()
     return checks
+
+
+tied_cases.add_to(suite, MODES)
 
 
 if __name__ == "__main__":

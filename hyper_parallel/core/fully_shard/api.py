@@ -20,7 +20,7 @@ from typing import Callable, Optional, Union
 from mindspore import nn
 
 from gradpool import (GradPoolConfig, InvalidArgumentError, all_runtimes, check_bool,
-                      runtime_for)
+                      device_target, return_free_host_memory, runtime_for)
 from hyper_parallel.core.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.core.fully_shard.state_dict import (get_model_state_dict,
@@ -211,8 +211,12 @@ class HSDPModule:
         return _Unsharded() if async_op else None
 
     def reshard(self) -> None:
+        """Drop the full parameters ``unshard()`` (or a forward without gradients, e.g. an
+        evaluation pass) left gathered: uninstalled from the cells and their memory released."""
         for unit in self._hsdp_units():
-            unit.uninstall()
+            unit.reshard()
+        if device_target() == "CPU":
+            return_free_host_memory()    # the C allocator keeps freed host pages otherwise
 
 
 def hsdp_sync_stream() -> None:

@@ -97,8 +97,10 @@ class HSDPUnitState:
         for param in params:
             param.unit = self       # for upstream's per-parameter calls only (reduce_scatter_grad)
         for module in self.modules:
+            # a unit without parameters (a root over its units) still marks its forward, so a
+            # read of a unit's weight from it gathers the full weight, with or without grad
+            module.register_forward_pre_hook(self.steps.pre_forward)
             if params:
-                module.register_forward_pre_hook(self.steps.pre_forward)
                 module.register_backward_pre_hook(self.steps.pre_backward)
             module.register_forward_hook(self.steps.post_forward)
             # runs after post_forward, and also when the module's forward raised

@@ -81,6 +81,11 @@ class UnitSteps:
 
     # -- forward ----------------------------------------------------------------------------------
     def pre_forward(self, cell, inputs):
+        if not self.params:
+            # nothing to gather: only "a forward of this unit is under way", for outside reads
+            if not in_backward() and not replaying_forward():
+                self.gathered = True
+            return None
         self.runtime.free_replaced_parameters()
         if replaying_forward():
             self._prepare_recompute()
