@@ -118,6 +118,7 @@ class Run:
     reshard: bool = True
     mesh: tuple = ()               # () = every rank in one shard group; (2, 2) = HSDP
     forward_prefetch: bool = False  # embed prefetches a, a prefetches b (explicit)
+    fused: bool = False            # comm_fusion: one bucket per unit and dtype
     extra: dict = field(default_factory=dict)
 
 
@@ -133,9 +134,9 @@ def _build(run: Run, world: int):
         mesh["mesh"] = init_device_mesh("cpu", run.mesh, mesh_dim_names=("dp_replicate", "fsdp"))
     for name in ("embed", "a", "b"):
         fully_shard(getattr(model, name), mp_policy=mp, pool_config=config,
-                    reshard_after_forward=run.reshard, **mesh)
+                    reshard_after_forward=run.reshard, comm_fusion=run.fused, **mesh)
     fully_shard(model, mp_policy=mp, pool_config=config, reshard_after_forward=run.reshard,
-                **mesh)
+                comm_fusion=run.fused, **mesh)
     if run.forward_prefetch:
         model.embed.set_modules_to_forward_prefetch([model.a])
         model.a.set_modules_to_forward_prefetch([model.b])
@@ -271,23 +272,73 @@ _add("weight_read_outside_its_unit", Run(pattern="tie"))
 _add("dynamic_rows_and_a_frozen_parameter", Run(frozen_bias=True, seq_lens=(4, 2, 3)))
 
 
-@suite.case
-def pool_memory_never_reaches_autograd(ctx) -> dict:
-    """Plain mode: the shard gradients value_and_grad returns share no byte with any pool
-    allocation (they are autograd's own memory), for a unit used twice."""
-    model, config = _build(Run(pattern="twice"), ctx.world_size)
-    local, _ = _batch(0, ctx.rank, ctx.world_size, ROWS)
-    _, grads = ms.value_and_grad(lambda x: loss_of(model, x), None,
-                                 model.trainable_params())(ms.Tensor(local))
-    pool = runtime_for(config).pool
+def _sharing_a_bucket(pool, tensors: dict) -> list:
+    """The names of ``tensors`` whose storage overlaps a pool bucket's."""
     spans = [(b.tensor.untyped_storage().data_ptr(), b.nbytes)
              for b in pool._buckets]                      # pylint: disable=protected-access
-    overlaps = []
-    for param, grad in zip(model.trainable_params(), grads):
-        start, size = grad.untyped_storage().data_ptr(), grad.untyped_storage().nbytes()
-        overlaps += [param.name for s, n in spans if start < s + n and s < start + size]
-    return {"buckets exist": equal(len(spans) > 0, True),
-            "returned gradients overlapping a pool bucket": equal(overlaps, [])}
+    found = []
+    for name, tensor in tensors.items():
+        start, size = tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()
+        found += [name for s, n in spans if start < s + n and s < start + size]
+    return found
+
+
+def pool_memory_never_leaves_the_pool(ctx, mesh: tuple = ()) -> dict:
+    """Nothing a caller receives shares a byte with a pool allocation: the shard gradients
+    value_and_grad returns (plain mode, a unit used twice), ``main_grad`` (asynchronous and
+    synchronous, fused buckets), the micro-step path, the HSDP partial sums kept between
+    backwards without the replicate all-reduce (a mesh with replicas), and what the upstream
+    ``reduce_scatter_output()`` returns."""
+    checks = {}
+    variants = [("plain, a unit used twice", Run(pattern="twice", mesh=mesh), 1),
+                ("main_grad asynchronous", Run(mode="main_async", mesh=mesh), 1),
+                ("main_grad synchronous, fused", Run(mode="main_sync", fused=True, mesh=mesh), 1),
+                ("main_grad, two micro-steps, fused", Run(mode="main_async", fused=True,
+                                                          mesh=mesh), 2),
+                ("plain, two micro-steps", Run(mesh=mesh), 2)]
+    for label, run, micro_steps in variants:
+        model, config = _build(run, ctx.world_size)
+        params = model.trainable_params()
+        grad_fn = ms.value_and_grad(lambda x, m=model: loss_of(m, x), None, params)
+        for micro in range(micro_steps):
+            last = micro == micro_steps - 1
+            if mesh:       # HSDP: replicas keep their partial sums until the last micro-step
+                model.set_requires_all_reduce(last)
+            else:          # FSDP: micro-steps accumulate in the unit's pool buckets
+                model.set_requires_gradient_sync(last)
+            local, _ = _batch(micro, ctx.rank, ctx.world_size, ROWS)
+            _, grads = grad_fn(ms.Tensor(local))
+            pool = runtime_for(config).pool
+            held = {f"{p.name} partial": p.hsdp_param.partial for p in params
+                    if p.hsdp_param.partial is not None}
+            if micro_steps > 1 and micro == 0 and mesh:
+                checks[f"{label}: partial sums kept after micro-step 0"] = equal(
+                    len(held) > 0, ctx.world_size > 1)
+            held.update({f"{p.name} grad": g for p, g in zip(params, grads)})
+            held.update({f"{p.name} main_grad": p.main_grad for p in params
+                         if p.main_grad is not None})
+            checks[f"{label}: micro-step {micro}, tensors sharing a pool bucket"] = equal(
+                _sharing_a_bucket(pool, held), [])
+        checks[f"{label}: buckets exist"] = equal(len(pool._buckets) > 0,   # pylint: disable=protected-access
+                                                  True)
+        model.zero_grad()
+    model, config = _build(Run(), ctx.world_size)
+    managed = model.trainable_params()[0].hsdp_param
+    local, _ = _batch(0, ctx.rank, ctx.world_size, ROWS)
+    full = ms.Tensor(np.ones(managed.orig_shape, np.float32))
+    managed.set_unsharded_grad(full)
+    managed.reduce_scatter_grad(async_op=False, reduce_op="sum")
+    output = managed.reduce_scatter_output()
+    checks["reduce_scatter_output(): shares a pool bucket"] = equal(
+        _sharing_a_bucket(runtime_for(config).pool, {"output": output}), [])
+    managed.clear_reduce_scatter_output()
+    checks["reduce_scatter_output(): its values after the bucket went back"] = allclose(
+        output, np_chunk(np.full(managed.orig_shape, float(ctx.world_size), np.float32),
+                         managed.shard_dim, managed.rank, managed.world_size))
+    return checks
+
+
+suite.add("pool_memory_never_leaves_the_pool", pool_memory_never_leaves_the_pool)
 
 
 @suite.case

@@ -12,7 +12,7 @@ import mindspore as ms
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import Suite
-from pattern_cases import Run, add_cases
+from pattern_cases import Run, add_cases, pool_memory_never_leaves_the_pool
 
 suite = Suite("patterns_4", blocking_launch=True)
 MODES = ("plain", "main_async")
@@ -31,6 +31,9 @@ for mesh, tag in (((), "fsdp4"), ((2, 2), "hsdp")):
               Run(skip_b_on_last_rank_at=(1,), mesh=mesh), ("plain", "main_async"))
     add_cases(suite, f"{tag}_forward_raised_and_reentrant_recompute_refused",
               Run(fail_before=("a", "loss", "reentrant_recompute"), mesh=mesh), ("main_async",))
+
+suite.add("hsdp_pool_memory_never_leaves_the_pool",
+          lambda ctx: pool_memory_never_leaves_the_pool(ctx, mesh=(2, 2)))
 
 
 if __name__ == "__main__":

@@ -4,13 +4,13 @@ thin views onto its unit's reduce (``HSDPUnitState.reduce``, the unit's one redu
 Upstream's reduce path did ``self._grad = grad.to(reduce_dtype).reshape(-1)`` and, after the
 collective, ``self._grad.untyped_storage().resize_(0)``; with ``reduce_dtype`` equal to the
 gradient's dtype that freed autograd's own gradient. Here the reduce-scatter reads a pool lease
-(or, with zero-copy, borrows the gradient until the collective completes) and
-``reduce_scatter_output()`` only drops references: nothing in this package resizes storage.
+(or, with zero-copy, borrows the gradient until the collective completes) and reading the
+output only drops references: nothing in this package resizes storage.
 
-Lifetime of the reduced shard: ``reduce_scatter_output()`` is a view of a pool output bucket,
-valid until ``clear_reduce_scatter_output()``; what autograd and the optimizer receive
-(``apply_reduced_grad``, ``main_grad``) is memory of their own (pool memory never leaves the
-pool).
+Lifetime of the reduced shard: ``reduced_shard()`` (the unit's own use) is a view of a pool
+output bucket, valid until ``clear_reduce_scatter_output()``; what anyone else receives
+(upstream's ``reduce_scatter_output()``, ``apply_reduced_grad``, ``main_grad``) is memory of
+their own (pool memory never leaves the pool).
 """
 from __future__ import annotations
 
@@ -186,7 +186,15 @@ class MindSporeHSDPParamV2:
         self._slot = ReduceSlot(result, index)
 
     def reduce_scatter_output(self) -> Optional[ms.Tensor]:
-        """Wait for the collective and return the reduced local shard (a pool bucket view).
+        """Wait for the collective and return the reduced local shard, as a tensor of the
+        caller's own (pool memory never leaves the pool: the output bucket goes back at
+        :meth:`clear_reduce_scatter_output` or the next reduce, and is reused)."""
+        shard = self.reduced_shard()
+        return None if shard is None else owned_copy(shard, shard.dtype)
+
+    def reduced_shard(self) -> Optional[ms.Tensor]:
+        """Wait for the collective and return the reduced local shard as a view of its pool
+        bucket, for the unit's own use before the bucket goes back.
 
         The input was a pool lease, released fenced on the collective at launch and so recycled
         by the pool, or a borrowed gradient whose reference is dropped here. Nothing is freed."""

@@ -22,7 +22,8 @@ from mindspore import mint
 
 from gradpool import GradReducer, PackedBucket
 from hyper_parallel.platform.mindspore.fully_shard.order import REDUCE
-from hyper_parallel.platform.mindspore.fully_shard.param import MindSporeHSDPParamV2
+from hyper_parallel.platform.mindspore.fully_shard.param import (MindSporeHSDPParamV2,
+                                                                  owned_copy)
 from hyper_parallel.platform.mindspore.fully_shard.settings import UnitSettings
 
 
@@ -41,7 +42,7 @@ def reduced_shards(params):
     output bucket); the output buckets go back to the pool when the block ends, whatever
     happens."""
     try:
-        yield [p.reduce_scatter_output() for p in params]
+        yield [p.reduced_shard() for p in params]
     finally:
         for param in params:
             param.clear_reduce_scatter_output()
@@ -145,7 +146,7 @@ class UnitReduce:
         it in. Nothing reaches ``main_grad`` yet, and autograd gets zeros."""
         with reduced_shards(self.params) as shards:
             for param, shard in zip(self.params, shards):
-                shard = shard.astype(ms.float32)
+                shard = owned_copy(shard, ms.float32)      # kept past the bucket's return
                 param.partial = shard if param.partial is None else mint.add(param.partial, shard)
         return self._zero_grads()
 
@@ -160,7 +161,7 @@ class UnitReduce:
                 shard = result.wait()[index]
                 if tuple(shard.shape) != param.local_shape:
                     shard = shard.reshape(param.local_shape)
-                total = shard.astype(ms.float32)
+                total = owned_copy(shard, ms.float32)      # all-reduced after the release
                 if param.partial is not None:
                     total = mint.add(total, param.partial)
                 totals.append((param, total))
