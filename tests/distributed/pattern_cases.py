@@ -119,6 +119,7 @@ class Run:
     mesh: tuple = ()               # () = every rank in one shard group; (2, 2) = HSDP
     forward_prefetch: bool = False  # embed prefetches a, a prefetches b (explicit)
     fused: bool = False            # comm_fusion: one bucket per unit and dtype
+    recompute_at: tuple = ()       # steps before which a.recompute() (reentrant) is called again
     extra: dict = field(default_factory=dict)
 
 
@@ -208,6 +209,8 @@ def train_and_compare(ctx, run: Run) -> dict:
         model.skip_b = ref.skip_b = step in run.skip_b_at or (
             step in run.skip_b_on_last_rank_at and world == 1)
         model.zero_grad()
+        if step in run.recompute_at:     # switched on (again) between steps, after forwards ran
+            model.a.recompute()
         if step in run.skip_b_on_last_rank_at and world > 1:
             model.skip_b = rank == world - 1
             checks[f"step {step}: b skipped on rank {world - 1} only, refused"] = raises(
@@ -230,6 +233,10 @@ def train_and_compare(ctx, run: Run) -> dict:
         _sgd(params, got)
         _sgd(ref_params, ref_grads)
         reserved.append(pool.stats().bytes_reserved)
+        if run.recompute or run.recompute_at:   # a reentrant recompute cell is switched, not kept
+            checks[f"step {step}: reentrant recompute cells left in a"] = equal(
+                [n for n, c in model.a.cells_and_names() if type(c).__name__ == "_RecomputeCell"],
+                [])
     model.zero_grad()
     checks["no lease held after the steps"] = equal(pool.stats().live_leases, 0)
     # buckets are reserved in the first step and reused (shapes, skipped units, uses vary)
@@ -259,6 +266,7 @@ _add("unit_applied_twice_forward_prefetch", Run(pattern="twice", forward_prefetc
 _add("recompute_before_fully_shard", Run(recompute="before"))
 _add("recompute_after_fully_shard", Run(recompute="after"))
 _add("recompute_non_reentrant", Run(recompute="after_nonreentrant"))
+_add("recompute_switched_on_between_steps", Run(recompute_at=(1, 2)))
 _add("recompute_functional", Run(pattern="recompute_fn"))
 _add("recompute_checkpoint", Run(pattern="checkpoint"))
 _add("recompute_checkpoint_wrapper", Run(recompute="wrapper"))

@@ -209,7 +209,8 @@ class FullyShardRuntime:
         """MindSpore's reentrant recompute (``Cell.recompute()``'s default) re-runs a cell under
         a nested grad that differentiates only the cell's own Parameters, so the gathered
         parameters a unit installs would get no gradient: such a cell inside a unit is switched
-        to MindSpore's non-reentrant recompute (same activations recomputed), once, logged."""
+        to MindSpore's non-reentrant recompute (same activations recomputed), logged; checked at
+        every forward use, since `Cell.recompute()` may be called at any time."""
         for module in unit.modules:
             for _, cell in module.cells_and_names():
                 non_reentrant_recompute(cell)

@@ -66,7 +66,6 @@ class UnitSteps:
         self.uses_awaiting_backward = 0       # recorded forward uses whose backward has not run
         self._outside_uses = 0                # ... of them, reads from outside the unit
         self._installed_for_backward = False  # the backward pre-hook installed the gathered
-        self._recompute_checked = False       # reentrant Cell.recompute() switched (first use)
 
     @property
     def runtime(self):
@@ -110,9 +109,8 @@ class UnitSteps:
         again in the same forward (weight reuse) gathers again: each use is its own autograd
         node, whose backward reduces that use's gradients (autograd sums the uses)."""
         self.runtime.recover_from_failed_backward()
-        if not self._recompute_checked:
-            self.runtime.check_recompute_cells(self.unit)
-            self._recompute_checked = True
+        # every use: Cell.recompute() may be switched on at any time, e.g. between steps
+        self.runtime.check_recompute_cells(self.unit)
         self.memory.install(self._gather_use())
         self.gathered = True
         self.in_backward_use = False
