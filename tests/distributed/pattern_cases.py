@@ -188,6 +188,11 @@ def _inject_failures(model, run: Run, rank: int, world: int) -> dict:
             checks[f"failure in {where} raised"] = equal("injected failure" in str(exc), True)
         finally:
             FAIL["where"] = None
+        units = model._hsdp_units()                # pylint: disable=protected-access
+        checks[f"failure in {where}: uses awaiting a backward, per unit"] = equal(
+            [u.steps.uses_awaiting_backward for u in units], [0] * len(units))
+        checks[f"failure in {where}: live leases"] = equal(
+            units[0].reducer.pool.stats().live_leases, 0)
         model.zero_grad()
     return checks
 
