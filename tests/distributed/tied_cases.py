@@ -86,11 +86,16 @@ def _close(actual, expected) -> dict:
     return allclose(actual, expected, rtol=0.0, atol=TOL * scale)
 
 
-def tied_head_case(ctx, root_bias: bool, mode: str) -> dict:
+def tied_head_case(ctx, root_bias: bool, mode: str, divide_factor: float = 0.0) -> dict:
     """Evaluation logits before and after training, and every training step's gradients, of
-    the tied head against the unsharded model; then ``reshard()`` leaves nothing gathered."""
+    the tied head against the unsharded model; then ``reshard()`` leaves nothing gathered.
+    ``divide_factor``: ``set_gradient_divide_factor`` (each reduce sums, then divides by it),
+    so the gradients are the unsharded model's (a mean over the global batch) x W / factor."""
     rank, world = ctx.rank, ctx.world_size
     model, ref = _sharded(root_bias, mode), TiedLM(root_bias)
+    scale = world / divide_factor if divide_factor else 1.0
+    if divide_factor:
+        model.set_gradient_divide_factor(divide_factor)
     params, ref_params = model.trainable_params(), ref.trainable_params()
     checks = {}
 
@@ -108,6 +113,7 @@ def tied_head_case(ctx, root_bias: bool, mode: str) -> dict:
         model.zero_grad()
         _, grads = grad_fn(ms.Tensor(local))
         _, ref_grads = ref_fn(ms.Tensor(whole))
+        ref_grads = [g * scale for g in ref_grads]
         got = list(grads) if mode == "plain" else [p.main_grad for p in params]
         for param, grad, want in zip(params, got, ref_grads):
             managed = param.hsdp_param
@@ -172,4 +178,7 @@ def add_to(suite: Suite, modes) -> None:
         for mode in modes:
             suite.add(f"tied_head_root_{'with' if root_bias else 'without'}_params_{mode}",
                       lambda ctx, b=root_bias, m=mode: tied_head_case(ctx, b, m))
+    for mode in modes:     # 3 does not divide the world: a wrong factor shows at 1 and 2 ranks
+        suite.add(f"gradient_divide_factor_3_{mode}",
+                  lambda ctx, m=mode: tied_head_case(ctx, True, m, divide_factor=3.0))
     suite.add("reshard_frees_the_gathered_memory", reshard_frees_case)
