@@ -25,6 +25,7 @@ if TYPE_CHECKING:
                                  itemsize, nan_fill, overwrite, writable_view)
     from gradpool.errors import (ArgumentTypeError, CheckpointError, CommError,
                                  ForeignLeaseError, GradientIntegrityError, GradPoolError,
+                                 InPlaceOpError,
                                  InvalidArgumentError, InvalidFenceError, LayoutMismatchError,
                                  LeaseStateError, NonFiniteNormError, PoolCapacityError,
                                  StateMismatchError, UnsupportedDtypeError,
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from gradpool.layout import GradSlot, ReduceScatterLayout, fusion_groups
     from gradpool.pack import Written, chunk_rows, flat_view, local_shard, shard_views, unshard
     from gradpool.writers import accumulate as accumulate_bucket
-    from gradpool.writers import add_in_place
+    from gradpool.writers import add_in_place, check_in_place_add
     from gradpool.writers import pack as pack_bucket
     from gradpool.writers import unpack_gathered
     from gradpool.pool import BucketPool, Fence, Lease, PoolStats, as_fence, fence_done

@@ -61,6 +61,11 @@ class UnsupportedPatternError(GradPoolError, RuntimeError):
     cell and what to use instead)."""
 
 
+class InPlaceOpError(GradPoolError, RuntimeError):
+    """An in-place op this device was expected to run left its target unchanged (the message
+    names the op and the option that avoids it)."""
+
+
 class StateMismatchError(GradPoolError, ValueError):
     """A state dict or checkpoint does not fit the model or optimizer it is loaded into: a key
     missing or unexpected, another shape or dtype (the message names the first bad key)."""

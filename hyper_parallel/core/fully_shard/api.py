@@ -372,7 +372,8 @@ def fully_shard(module: Union[nn.Cell, list], *, mesh: Optional[DeviceMesh] = No
                 comm=shard_comm,
                 shard_dim=0 if is_replicated else _placement_dim(shard_placement_fn, param),
                 replicate=is_replicated, mp_policy=mp_policy,
-                verify_gradients=config.verify_gradients)
+                verify_gradients=config.verify_gradients,
+                main_grad_in_place=config.main_grad_in_place)
             managed.owners = owners
             claimed.add(id(param))
             params.append((param, managed))

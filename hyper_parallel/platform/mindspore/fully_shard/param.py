@@ -25,8 +25,9 @@ import numpy as np
 from mindspore import Parameter, mint
 
 from gradpool import (GradientIntegrityError, GradSlot, InvalidArgumentError, ReduceResult,
-                      ReduceScatterLayout, add_in_place, check_reduce_op, pack_bucket,
-                      synchronize, device_target, unpack_gathered, unshard, writable_view)
+                      ReduceScatterLayout, add_in_place, check_in_place_add, check_reduce_op,
+                      pack_bucket, synchronize, device_target, unpack_gathered, unshard,
+                      writable_view)
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class MindSporeHSDPParamV2:
 
     def __init__(self, cell, attr_name: str, param: Parameter, *, rank: int, world_size: int,
                  comm, shard_dim: int = 0, replicate: bool = False, mp_policy=None,
-                 verify_gradients: bool = False):
+                 verify_gradients: bool = False, main_grad_in_place: bool = True):
         # Every (cell, attribute) that holds this parameter: tied weights share one shard.
         self.owners: list[tuple[Any, str]] = [(cell, attr_name)]
         self.unit = None
@@ -75,9 +76,10 @@ class MindSporeHSDPParamV2:
         self.reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
         self.use_main_grad = bool(getattr(mp_policy, "apply_grad_on_fp32_main_grad", False))
         self.verify_gradients = verify_gradients
-        # main_grad accumulates in place where the backend's in-place add works (Ascend); on CPU
-        # ``Tensor.add_`` of a plain tensor returns a new one and leaves it unchanged.
-        self._add_in_place = device_target() == "Ascend"
+        # main_grad accumulates in place where the backend's in-place add works (Ascend; checked
+        # once, at the first such add); on CPU ``Tensor.add_`` of a plain tensor returns a new
+        # one and leaves it unchanged.
+        self._add_in_place = main_grad_in_place and device_target() == "Ascend"
         if not replicate and not 0 <= shard_dim < len(self.orig_shape):
             raise InvalidArgumentError(
                 f"parameter {self.name} of shape {self.orig_shape} cannot be sharded on dim "
@@ -251,6 +253,7 @@ class MindSporeHSDPParamV2:
         if main is None:
             self.sharded_param.main_grad = owned_copy(reduced, ms.float32)
         elif self._add_in_place:
+            check_in_place_add()
             main.add_(addend)
         elif not add_in_place(main, addend):
             self.sharded_param.main_grad = mint.add(main, addend)
