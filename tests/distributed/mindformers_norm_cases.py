@@ -221,6 +221,22 @@ def shard_and_replicate_redistribute(ctx: Context) -> dict:
             "gathered back": allclose(back.to_local(), full, rtol=0, atol=0)}
 
 
+@suite.case
+def platform_create_group_reduces_among_its_ranks(ctx: Context) -> dict:
+    """``get_platform().create_group(ranks)`` (mindformers' Muon asks for its groups this way)
+    names a communication group of those ranks: a sum in it adds only theirs."""
+    from mindspore.mint.distributed import all_reduce
+
+    from hyper_parallel.platform import get_platform
+    half = 2 if ctx.world_size == 4 else ctx.world_size
+    mine = [r for r in range(ctx.world_size) if r // half == ctx.rank // half]
+    group = get_platform().create_group(mine)
+    total = ms.Tensor(np.array([10.0 ** ctx.rank], np.float32))
+    all_reduce(total, op=ops.ReduceOp.SUM, group=group)
+    return {"sum of the group's ranks only": allclose(
+        total, np.array([sum(10.0 ** r for r in mine)]), rtol=0, atol=0)}
+
+
 def _refused(fn) -> dict:
     from harness import raises
     return raises(__import__("gradpool").FeatureNotProvidedError, fn, "FSDP/HSDP/EP only")
