@@ -7,9 +7,11 @@ ARGS ?= --reference
 
 .PHONY: setup test train bench clean mutation
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml tests/mindformers/requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) -m pip install -q --no-deps mindformers==2.1.0
+	$(PY) -m pip install -q -r tests/mindformers/requirements.txt
 	touch $@
 
 setup: $(VENV)/.installed

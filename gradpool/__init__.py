@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from gradpool.dtypes import (DTYPE_NAMES, SUPPORTED_DTYPES, check_dtype, dtype_named,
                                  itemsize, nan_fill, overwrite, writable_view)
     from gradpool.errors import (ArgumentTypeError, CheckpointError, CommError,
-                                 ForeignLeaseError, GradientIntegrityError, GradPoolError,
-                                 InPlaceOpError,
+                                 FeatureNotProvidedError, ForeignLeaseError,
+                                 GradientIntegrityError, GradPoolError, InPlaceOpError,
                                  InvalidArgumentError, InvalidFenceError, LayoutMismatchError,
                                  LeaseStateError, NonFiniteNormError, PoolCapacityError,
                                  StateMismatchError, UnsupportedDtypeError,

@@ -71,6 +71,12 @@ class StateMismatchError(GradPoolError, ValueError):
     missing or unexpected, another shape or dtype (the message names the first bad key)."""
 
 
+class FeatureNotProvidedError(GradPoolError, NotImplementedError):
+    """A name of upstream hyper_parallel's surface whose feature gradpool does not provide (tensor,
+    context or pipeline parallelism, activation swap, NPU custom ops, DTensor checkpoint
+    layouts): it imports, and raises this when used. gradpool provides FSDP/HSDP/EP only."""
+
+
 # -- argument checks (no silent coercion: True is not 1, "no" is not False, nan is not a size) --
 def check_bool(name: str, value) -> None:
     if not isinstance(value, bool):

@@ -22,7 +22,9 @@ from mindspore import nn
 from gradpool import (GradPoolConfig, InvalidArgumentError, all_runtimes, check_bool,
                       device_target, return_free_host_memory, runtime_for)
 from hyper_parallel.core.device_mesh import DeviceMesh
+from hyper_parallel.core.dtensor.dtensor import as_managed_dtensor
 from hyper_parallel.core.dtensor.placement_types import Shard
+from hyper_parallel.core.dtensor.spec import fully_shard_spec
 from hyper_parallel.core.fully_shard.state_dict import (get_model_state_dict,
                                                         get_optimizer_state_dict,
                                                         set_model_state_dict,
@@ -284,6 +286,13 @@ def _mesh_comms(mesh: Optional[DeviceMesh], runtime):
     return runtime.group_comm(mesh.get_group(1)), runtime.group_comm(mesh.get_group(0))
 
 
+def _world_mesh(runtime) -> DeviceMesh:
+    """The 1-D mesh of every rank: what a unit without a mesh shards over."""
+    from gradpool import device_target
+    target = device_target()
+    return DeviceMesh(target if target in ("CPU", "Ascend") else "cpu", (runtime.comm.world_size,))
+
+
 def _placement_dim(shard_placement_fn: Optional[Callable], param) -> int:
     if len(param.shape) == 0:
         raise InvalidArgumentError(
@@ -377,8 +386,12 @@ def fully_shard(module: Union[nn.Cell, list], *, mesh: Optional[DeviceMesh] = No
             managed.owners = owners
             claimed.add(id(param))
             params.append((param, managed))
+    layout_mesh = mesh if mesh is not None else _world_mesh(runtime)
     for param, managed in params:
         managed.adopt(param)
+        # The shard (and its main_grad) become DTensors: placements over the unit's mesh.
+        as_managed_dtensor(managed.sharded_param, fully_shard_spec(
+            layout_mesh, managed.orig_shape, managed.shard_dim, managed.replicate))
         for cell, attr in managed.owners:
             cell._params[attr] = managed.sharded_param    # pylint: disable=protected-access
             _guard_reads(cell, attr, managed)
