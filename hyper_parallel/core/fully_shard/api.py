@@ -20,7 +20,7 @@ from typing import Callable, Optional, Union
 from mindspore import nn
 
 from gradpool import (GradPoolConfig, InvalidArgumentError, all_runtimes, check_bool,
-                      runtime_for)
+                      on_real_device, real_device_target, runtime_for)
 from hyper_parallel.core.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.core.fully_shard.state_dict import (get_model_state_dict,
@@ -214,6 +214,13 @@ class HSDPModule:
         for unit in self._hsdp_units():
             unit.uninstall()
 
+    def to_empty(self, *, device: Optional[str] = None, recurse: bool = True):
+        """Give every parameter and buffer uninitialised memory (``Cell.to_empty``); each
+        ``fully_shard``-managed parameter gets its local shard's, never the full parameter's.
+        ``device`` None: the process's real device, also inside ``ms.DeviceCtx("meta")``
+        (MindSpore 2.10's own ``to_empty()`` keeps a meta tensor on meta)."""
+        return super().to_empty(device=device or real_device_target(), recurse=recurse)
+
 
 def hsdp_sync_stream() -> None:
     """Wait for every reduction still in flight (a no-op when nothing is): asynchronous reduces
@@ -349,6 +356,17 @@ def fully_shard(module: Union[nn.Cell, list], *, mesh: Optional[DeviceMesh] = No
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
         raise InvalidArgumentError("fully_shard got an empty list of modules")
+    # Called inside ms.DeviceCtx("meta") (mindformers' apply_fsdp always is), the pool, the
+    # communicators, main_grad and the shards of real parameters still go to the real device;
+    # meta parameters get meta shards (meta_init), given memory by to_empty().
+    with on_real_device():
+        return _fully_shard(modules, module, mesh, reshard_after_forward, shard_placement_fn,
+                            mp_policy, offload_policy, ignored_params, replicate_params,
+                            comm_fusion, pool_config)
+
+
+def _fully_shard(modules, module, mesh, reshard_after_forward, shard_placement_fn, mp_policy,
+                 offload_policy, ignored_params, replicate_params, comm_fusion, pool_config):
     config = pool_config if pool_config is not None else GradPoolConfig()
     _validate(modules, mp_policy, offload_policy, reshard_after_forward, comm_fusion, config)
     runtime = runtime_for(config)     # after validation: a refused call leaves nothing behind
@@ -384,6 +402,7 @@ def fully_shard(module: Union[nn.Cell, list], *, mesh: Optional[DeviceMesh] = No
                          world_comm=runtime.comm if config.check_unit_order else None)
     if params:
         unit.runtime.replaced_parameters = True     # the originals are freed before a forward
+    unit.runtime.meta_params.extend(m for _, m in params if m.built_on_meta)
     for mod in modules:
         _extend_class(mod)
         mod.__dict__["_hsdp_state"] = unit
