@@ -30,6 +30,7 @@ from hyper_parallel.core.fully_shard.state_dict import (get_model_state_dict,
 from hyper_parallel.core.fully_shard.utils import (CPUOffloadPolicy, MixedPrecisionPolicy,
                                                    OffloadPolicy)
 from hyper_parallel.platform.mindspore.fully_shard.autograd import grad_recorded, in_backward
+from hyper_parallel.platform.mindspore.fully_shard.meta_init import refuse_meta_at_forward
 from hyper_parallel.platform.mindspore.fully_shard.param import MindSporeHSDPParamV2
 from hyper_parallel.platform.mindspore.fully_shard.state import (HSDPUnitState,
                                                                   finish_async_reduces)
@@ -395,6 +396,7 @@ def _fully_shard(modules, module, mesh, reshard_after_forward, shard_placement_f
         for cell, attr in managed.owners:
             cell._params[attr] = managed.sharded_param    # pylint: disable=protected-access
             _guard_reads(cell, attr, managed)
+    refuse_meta_at_forward(modules, [m for _, m in params])     # runs before the unit's hooks
     # A list is one unit, as upstream: one gather and one reduce per step for all its modules.
     unit = HSDPUnitState(modules, [m for _, m in params], reducer, mp_policy,
                          reshard_after_forward,
@@ -402,7 +404,6 @@ def _fully_shard(modules, module, mesh, reshard_after_forward, shard_placement_f
                          world_comm=runtime.comm if config.check_unit_order else None)
     if params:
         unit.runtime.replaced_parameters = True     # the originals are freed before a forward
-    unit.runtime.meta_params.extend(m for _, m in params if m.built_on_meta)
     for mod in modules:
         _extend_class(mod)
         mod.__dict__["_hsdp_state"] = unit

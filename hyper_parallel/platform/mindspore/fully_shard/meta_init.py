@@ -19,7 +19,8 @@
   the model initialises them, and keeps its chunk. That full tensor is transient and one at a
   time (peak: the largest parameter, never the model); constant initialisers write only the
   chunk. Padding rows of an uneven last shard stay zero.
-* :func:`refuse_meta`: a parameter still on meta when a forward starts is refused by name.
+* :func:`refuse_meta_at_forward`: a unit whose parameters are still on meta when its forward
+  starts refuses them by name.
 """
 from __future__ import annotations
 
@@ -111,7 +112,8 @@ def _materialised(managed, name: str) -> Parameter:
 
 def _host_dtype(dtype) -> np.dtype:
     # bfloat16 has no NumPy dtype of its own: written as float32, cast on the way in
-    return np.float32 if dtype == ms.bfloat16 else ms.dtype_to_nptype(dtype)
+    return np.float16 if dtype == ms.float16 else np.float64 if dtype == ms.float64 \
+        else np.float32
 
 
 def valid_index(slot, rank: int, start: int = 0) -> tuple:
@@ -137,6 +139,24 @@ def _write(local: Parameter, chunk: np.ndarray) -> None:
     if value.dtype != local.dtype:
         value = value.astype(local.dtype)
     ms.Tensor.copy_(local, value)
+
+
+def refuse_meta_at_forward(modules: list, params: list) -> None:
+    """Before the first forward of ``modules`` (one unit), refuse by name the parameters of
+    ``params`` built on meta whose shard is still there. Registered before the unit's own
+    forward pre-hook, so it runs first; once every shard has memory it checks nothing more (a
+    hook cannot remove itself while MindSpore runs the hooks)."""
+    pending = [p for p in params if p.built_on_meta]
+    if not pending:
+        return
+
+    def check(cell, inputs):
+        if pending:
+            refuse_meta(pending)
+            pending.clear()
+
+    for module in modules:
+        module.register_forward_pre_hook(check)
 
 
 def refuse_meta(params: Iterable) -> None:

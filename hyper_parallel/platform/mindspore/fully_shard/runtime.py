@@ -7,9 +7,7 @@
   implicit backward prefetch follows (FSDP2 does the same: the reverse of the post-forward
   order);
 * whether parameters were replaced by their shards since the last forward: their memory is
-  freed before the next forward starts (:meth:`FullyShardRuntime.free_replaced_parameters`);
-* the managed parameters built on the meta device whose memory has not been seen yet: a
-  forward refuses them by name (:func:`.meta_init.refuse_meta`).
+  freed before the next forward starts (:meth:`FullyShardRuntime.free_replaced_parameters`).
 """
 from __future__ import annotations
 
@@ -27,7 +25,6 @@ from hyper_parallel.platform.mindspore.fully_shard.autograd import (backward_eng
                                                                      grad_graph_open,
                                                                      in_backward,
                                                                      queue_end_of_backward)
-from hyper_parallel.platform.mindspore.fully_shard.meta_init import is_meta, refuse_meta
 from hyper_parallel.platform.mindspore.fully_shard.order import UNIT_SLOTS, UnitOrderCheck
 from hyper_parallel.platform.mindspore.fully_shard.recompute import non_reentrant_recompute
 
@@ -47,7 +44,6 @@ class FullyShardRuntime:
         self.backward_units: dict = {}             # id -> unit: units that ran in that pass
         self.registered = 0                        # units ever registered: the next one's index
         self.order_check: Optional[UnitOrderCheck] = None   # made by the first unit using it
-        self.meta_params: list = []                # managed, built on meta, not seen materialised
 
     # -- registry ---------------------------------------------------------------------------------
     def register(self, unit) -> None:
@@ -91,11 +87,7 @@ class FullyShardRuntime:
         worth of full parameters stays until Python's collector happens to run. One collection
         for every ``fully_shard`` call before the first forward (a collection per call would
         cost one per layer). On CPU the freed parameters are host memory, handed back to the OS
-        too. First, a managed parameter built on the meta device and still there is refused by
-        name (a forward cannot read it)."""
-        if self.meta_params:
-            self.meta_params = [p for p in self.meta_params if is_meta(p.sharded_param)]
-            refuse_meta(self.meta_params)
+        too."""
         if not self.replaced_parameters:
             return
         self.replaced_parameters = False
