@@ -147,7 +147,8 @@ class DeviceMesh:
 
     # -- slicing ----------------------------------------------------------------------------------
     def __getitem__(self, names: Union[str, Sequence[str]]) -> "DeviceMesh":
-        keep = (names,) if isinstance(names, str) else tuple(names)
+        keep = (names,) if isinstance(names, str) else \
+            tuple(names) if isinstance(names, (tuple, list)) else (names,)
         if not keep or not all(isinstance(name, str) for name in keep):
             raise InvalidArgumentError(
                 f"index a mesh by dim names (a name or several), got {names!r}")
