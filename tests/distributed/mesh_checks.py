@@ -85,3 +85,21 @@ def _group_checks(mesh, dim, rank: int, members: list) -> dict:
     return equal([mesh.get_local_rank(dim), mesh.size(dim), group is None, total],
                  [members.index(rank), len(members), len(members) == 1,
                   float(sum(r + 1 for r in members))])
+
+
+def check_dense_shard_mesh(ctx: Context, config: dict, shard_size: int, log_dir: str) -> dict:
+    """``ParallelDims.get_fsdp_shard_mesh(k)`` (apply_fsdp's mesh when ``dense_fsdp_shard_size``
+    is set): the world re-unflattened as (pp, replicate, k, tp), its 2-D [replicate, shard]."""
+    dims = parallel_dims(config, ctx.world_size, log_dir)
+    rank, world = ctx.rank, ctx.world_size
+    mesh = dims.get_fsdp_shard_mesh(shard_size)
+    replicate = dims.dp_replicate * dims.dp_shard // shard_size
+    names = ("pp", f"fsdp_rep_{shard_size}", f"fsdp_shard_{shard_size}", "tp")
+    sizes = (1, replicate, shard_size, 1)
+    checks = {"ranks": equal([list(mesh.mesh_dim_names), list(mesh.ranks)],
+                             [list(names[1:3]), expected_group(rank, world, names, sizes,
+                                                               names[1:3])])}
+    for dim in names[1:3]:
+        checks[dim] = _group_checks(mesh, dim, rank, expected_group(rank, world, names, sizes,
+                                                                    (dim,)))
+    return checks

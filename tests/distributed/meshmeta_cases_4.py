@@ -9,7 +9,8 @@ tests/test_mesh_meta_distributed.py).
   a random initialiser draws at a time). A build that materialised the model would add the
   model's size.
 * Meshes (when mindformers is installed): mindformers' own ``ParallelDims`` for HSDP 2 x 2,
-  FSDP 4 with EP 2, and HSDP 2 x 2 with EP 2, checked by tests/distributed/mesh_checks.py.
+  FSDP 4 with EP 2, HSDP 2 x 2 with EP 2, and the dense weights' 2-of-4 shard mesh
+  (``get_fsdp_shard_mesh``), checked by tests/distributed/mesh_checks.py.
 """
 from __future__ import annotations
 
@@ -86,6 +87,12 @@ if importlib.util.find_spec("mindformers") is not None:
     _mesh_case("parallel_dims_hsdp_2x2", dict(dp_replicate=2, dp_shard=2, ep=1))
     _mesh_case("parallel_dims_fsdp4_ep2", dict(dp_replicate=1, dp_shard=4, ep=2))
     _mesh_case("parallel_dims_hsdp_2x2_ep2", dict(dp_replicate=2, dp_shard=2, ep=2))
+
+    @suite.case
+    def parallel_dims_dense_shard_2_of_4(ctx: Context) -> dict:
+        import mesh_checks
+        return mesh_checks.check_dense_shard_mesh(
+            ctx, dict(dp_replicate=1, dp_shard=4, ep=1), 2, LOG_DIR)
 
 
 if __name__ == "__main__":
