@@ -77,6 +77,17 @@ class FeatureNotProvidedError(GradPoolError, NotImplementedError):
     layouts): it imports, and raises this when used. gradpool provides FSDP/HSDP/EP only."""
 
 
+class MetaDeviceError(GradPoolError, RuntimeError):
+    """A parameter built on the meta device (``ms.DeviceCtx("meta")``) has no memory where memory
+    is needed: still on meta at a forward, or initialised before ``to_empty()`` (the message
+    names the parameters and the call to make)."""
+
+
+class MeshGroupError(GradPoolError, RuntimeError):
+    """A device-mesh dim has no communication group: it was made with ``backend_override``
+    ``"fake"`` (the message names the dim and how to make a real one)."""
+
+
 # -- argument checks (no silent coercion: True is not 1, "no" is not False, nan is not a size) --
 def check_bool(name: str, value) -> None:
     if not isinstance(value, bool):

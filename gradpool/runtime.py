@@ -13,7 +13,7 @@ from typing import Optional
 
 from gradpool.comm import (Communicator, SingleProcessCommunicator, communicator_for,
                            init_distributed)
-from gradpool.device import device_target
+from gradpool.device import real_device_target
 from gradpool.errors import (InvalidArgumentError, check_bool, check_int,
                              check_positive_number)
 from gradpool.pool import MAX_ALIGNMENT_BYTES, BucketPool
@@ -126,7 +126,7 @@ def build_runtime(config: GradPoolConfig, comm: Optional[Communicator] = None) -
     if not isinstance(config, GradPoolConfig):
         raise InvalidArgumentError(f"config must be a GradPoolConfig, got {config!r}")
     init_distributed()
-    device = device_target()
+    device = real_device_target()
     # Timing each copy synchronizes the device; on Ascend that would serialize copy and comm.
     pool = BucketPool(device=device, timed_copies=device != "Ascend", **config.pool_kwargs())
     return Runtime(config, pool, comm if comm is not None else communicator_for(device))

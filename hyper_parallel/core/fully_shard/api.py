@@ -20,7 +20,8 @@ from typing import Callable, Optional, Union
 from mindspore import nn
 
 from gradpool import (GradPoolConfig, InvalidArgumentError, all_runtimes, check_bool,
-                      device_target, return_free_host_memory, runtime_for)
+                      device_target, on_real_device, real_device_target,
+                      return_free_host_memory, runtime_for)
 from hyper_parallel.core.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import as_managed_dtensor
 from hyper_parallel.core.dtensor.placement_types import Shard
@@ -32,6 +33,7 @@ from hyper_parallel.core.fully_shard.state_dict import (get_model_state_dict,
 from hyper_parallel.core.fully_shard.utils import (CPUOffloadPolicy, MixedPrecisionPolicy,
                                                    OffloadPolicy)
 from hyper_parallel.platform.mindspore.fully_shard.autograd import grad_recorded, in_backward
+from hyper_parallel.platform.mindspore.fully_shard.meta_init import refuse_meta_at_forward
 from hyper_parallel.platform.mindspore.fully_shard.param import MindSporeHSDPParamV2
 from hyper_parallel.platform.mindspore.fully_shard.state import (HSDPUnitState,
                                                                   finish_async_reduces)
@@ -220,6 +222,13 @@ class HSDPModule:
         if device_target() == "CPU":
             return_free_host_memory()    # the C allocator keeps freed host pages otherwise
 
+    def to_empty(self, *, device: Optional[str] = None, recurse: bool = True):
+        """Give every parameter and buffer uninitialised memory (``Cell.to_empty``); each
+        ``fully_shard``-managed parameter gets its local shard's, never the full parameter's.
+        ``device`` None: the process's real device, also inside ``ms.DeviceCtx("meta")``
+        (MindSpore 2.10's own ``to_empty()`` keeps a meta tensor on meta)."""
+        return super().to_empty(device=device or real_device_target(), recurse=recurse)
+
 
 def hsdp_sync_stream() -> None:
     """Wait for every reduction still in flight (a no-op when nothing is): asynchronous reduces
@@ -362,6 +371,17 @@ def fully_shard(module: Union[nn.Cell, list], *, mesh: Optional[DeviceMesh] = No
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
         raise InvalidArgumentError("fully_shard got an empty list of modules")
+    # Called inside ms.DeviceCtx("meta") (mindformers' apply_fsdp always is), the pool, the
+    # communicators, main_grad and the shards of real parameters still go to the real device;
+    # meta parameters get meta shards (meta_init), given memory by to_empty().
+    with on_real_device():
+        return _fully_shard(modules, module, mesh, reshard_after_forward, shard_placement_fn,
+                            mp_policy, offload_policy, ignored_params, replicate_params,
+                            comm_fusion, pool_config)
+
+
+def _fully_shard(modules, module, mesh, reshard_after_forward, shard_placement_fn, mp_policy,
+                 offload_policy, ignored_params, replicate_params, comm_fusion, pool_config):
     config = pool_config if pool_config is not None else GradPoolConfig()
     _validate(modules, mp_policy, offload_policy, reshard_after_forward, comm_fusion, config)
     runtime = runtime_for(config)     # after validation: a refused call leaves nothing behind
@@ -395,6 +415,7 @@ def fully_shard(module: Union[nn.Cell, list], *, mesh: Optional[DeviceMesh] = No
         for cell, attr in managed.owners:
             cell._params[attr] = managed.sharded_param    # pylint: disable=protected-access
             _guard_reads(cell, attr, managed)
+    refuse_meta_at_forward(modules, [m for _, m in params])     # runs before the unit's hooks
     # A list is one unit, as upstream: one gather and one reduce per step for all its modules.
     unit = HSDPUnitState(modules, [m for _, m in params], reducer, mp_policy,
                          reshard_after_forward,

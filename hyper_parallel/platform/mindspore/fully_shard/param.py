@@ -28,6 +28,8 @@ from gradpool import (GradientIntegrityError, GradSlot, InvalidArgumentError, Re
                       ReduceScatterLayout, add_in_place, check_in_place_add, check_reduce_op,
                       pack_bucket, synchronize, device_target, unpack_gathered, unshard,
                       writable_view)
+from hyper_parallel.platform.mindspore.fully_shard.meta_init import (install_sharded_init, is_meta,
+                                                                      meta_shard)
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +104,14 @@ class MindSporeHSDPParamV2:
         :meth:`adopt` does, once ``fully_shard`` has planned every parameter.
 
         A lazily initialised parameter (``no_init_parameters()``, an ``initializer(...)``) is
-        never materialised whole: only this rank's shard is drawn (:func:`lazy_shard_values`)."""
+        never materialised whole: only this rank's shard is drawn (:func:`lazy_shard_values`).
+        A parameter on the meta device gets a meta shard (:mod:`.meta_init`): ``to_empty()``
+        gives it memory, its in-place initialisers fill it."""
+        self.built_on_meta = is_meta(param)
         if self.replicate:
             return param.init_data() if is_lazy(param) else param
+        if self.built_on_meta:
+            return meta_shard(param, self.local_shape)
         if is_lazy(param):
             values = lazy_shard_values(param, self.slot, self.rank)
         else:
@@ -121,6 +128,8 @@ class MindSporeHSDPParamV2:
         self.sharded_param.main_grad = self.zero_main_grad()
         self.sharded_param.hsdp_param = self
         original.hsdp_managed_by = self    # so another unit will not shard it again
+        if not self.replicate:
+            install_sharded_init(self)     # normal_() & co. initialise the full parameter
 
     def unsharded(self, local: ms.Tensor) -> ms.Tensor:
         """All-gather ``local`` (this rank's shard) into the full parameter, in ``param_dtype``."""
