@@ -66,6 +66,11 @@ class StateMismatchError(GradPoolError, ValueError):
     missing or unexpected, another shape or dtype (the message names the first bad key)."""
 
 
+class BackwardNotRecordedError(GradPoolError, RuntimeError):
+    """Torch-style ``backward()`` of a tensor no recorded forward made (the message says why: the
+    grad flag off, ``no_grad``, or nothing requiring grad)."""
+
+
 # -- argument checks (no silent coercion: True is not 1, "no" is not False, nan is not a size) --
 def check_bool(name: str, value) -> None:
     if not isinstance(value, bool):

@@ -2,6 +2,14 @@
 (tests/test_patterns_distributed.py at 2 ranks; tests/test_patterns.py runs them at world size
 1 in-process).
 
+Each case trains through both entry points: ``value_and_grad`` (named ``<case>_<mode>``) and
+torch-style ``loss.backward()`` after ``enable_mindspore_backward_compat()`` (named
+``<case>_<mode>_backward``; plain mode reads each shard's ``grad``, main_grad mode its
+``main_grad`` and checks ``grad`` stays None). The unsharded reference always trains through
+``value_and_grad``, which turns MindSpore's grad flag off when it returns; the torch-style run
+turns it back on right after it, so each ``model.zero_grad()`` sees what a completed
+``loss.backward()`` left.
+
 The model: a root (its own head) over three units, ``embed`` (5 -> 7), ``a`` and ``b`` (7 -> 7),
 every dimension odd so at 2 ranks each parameter's dim 0 needs padding (uneven shards: where the
 bugs of this file showed). Every case trains STEPS steps of plain SGD on each rank's rows of a
@@ -33,6 +41,8 @@ from harness import Suite, allclose, equal, raises, wrapped_communicators
 from hyper_parallel import fully_shard, init_device_mesh
 from hyper_parallel.core.activation_checkpoint import checkpoint, checkpoint_wrapper
 from hyper_parallel.core.fully_shard import MixedPrecisionPolicy
+from hyper_parallel.platform.mindspore.autograd_compat import (disable_mindspore_backward_compat,
+                                                               enable_mindspore_backward_compat)
 from npref import np_chunk
 
 suite = Suite("patterns", blocking_launch=True)
@@ -41,6 +51,10 @@ ROWS = 4                 # per rank
 LR = 0.3
 GRAD_TOL = 2e-6
 MODES = ("plain", "main_async", "main_sync")
+ENTRIES = ("value_and_grad", "backward")
+# the synchronous main_grad reduce is a reduce-path variant, not an entry-point one: torch-style
+# backward runs plain and main_grad with the asynchronous reduce
+BACKWARD_MODES = ("plain", "main_async")
 FAIL = {"where": None}   # where the next forward raises: "a", "root", "loss" or None
 
 
@@ -106,6 +120,7 @@ class Run:
 
     pattern: str = "plain"
     mode: str = "plain"
+    entry: str = "value_and_grad"   # or "backward": torch-style loss.backward()
     recompute: str = ""            # "", "before", "after", "after_nonreentrant", "wrapper"
     frozen_bias: bool = False
     skip_b_at: tuple = ()          # steps whose forward skips unit b
@@ -164,16 +179,36 @@ def _sgd(params, grads) -> None:
         ops.assign(param, param - LR * grad)
 
 
+def gradient_step(model, params, entry: str):
+    """``x ->`` the gradients autograd gives ``params`` for ``loss_of(model, x)``: what
+    ``value_and_grad`` returns, or each parameter's ``grad`` after torch-style
+    ``loss.backward()`` (None where nothing was accumulated)."""
+    if entry == "value_and_grad":
+        grad_fn = ms.value_and_grad(lambda x: loss_of(model, x), None, params)
+        return lambda x: grad_fn(x)[1]
+
+    def backward(x):
+        loss_of(model, x).backward()
+        return tuple(param.grad for param in params)
+    return backward
+
+
 def _inject_failures(model, run: Run, rank: int, world: int) -> dict:
     checks = {}
-    grad_fn = ms.value_and_grad(lambda x: loss_of(model, x), None, model.trainable_params())
+    grad_fn = gradient_step(model, model.trainable_params(), run.entry)
     local, _ = _batch(99, rank, world, ROWS)
     for where in run.fail_before:
         if where == "reentrant_recompute":
             model.pattern = "recompute_fn_reentrant"
-            checks["reentrant recompute refused"] = raises(
-                UnsupportedPatternError, lambda: grad_fn(ms.Tensor(local)), "Lin",
-                "use_reentrant=False")
+            if run.entry == "backward":
+                # MindSpore's reentrant recompute needs value_and_grad's top cell: its forward
+                # raises under torch-style backward, sharded or not
+                checks["reentrant recompute fails in MindSpore's forward"] = raises(
+                    RuntimeError, lambda: grad_fn(ms.Tensor(local)), "top_cell")
+            else:
+                checks["reentrant recompute refused"] = raises(
+                    UnsupportedPatternError, lambda: grad_fn(ms.Tensor(local)), "Lin",
+                    "use_reentrant=False")
             model.pattern = run.pattern
             model.zero_grad()
             continue
@@ -190,13 +225,23 @@ def _inject_failures(model, run: Run, rank: int, world: int) -> dict:
 
 
 def train_and_compare(ctx, run: Run) -> dict:
+    if run.entry == "value_and_grad":
+        return _train_and_compare(ctx, run)
+    enable_mindspore_backward_compat()
+    try:
+        return _train_and_compare(ctx, run)
+    finally:       # later cases of the process train through value_and_grad
+        disable_mindspore_backward_compat()
+
+
+def _train_and_compare(ctx, run: Run) -> dict:
     rank, world = ctx.rank, ctx.world_size
     model, config = _build(run, world)
     ref = _reference(run)
     params = model.trainable_params()
     ref_params = ref.trainable_params()
     checks = _inject_failures(model, run, rank, world)
-    grad_fn = ms.value_and_grad(lambda x: loss_of(model, x), None, params)
+    grad_fn = gradient_step(model, params, run.entry)
     ref_fn = ms.value_and_grad(lambda x: loss_of(ref, x), None, ref_params)
     pool = runtime_for(config).pool
     reserved = []
@@ -214,9 +259,17 @@ def train_and_compare(ctx, run: Run) -> dict:
             model.skip_b = False
             reserved.append(pool.stats().bytes_reserved)
             continue            # abandoned on every rank: no update, as for the reference
-        _, grads = grad_fn(ms.Tensor(local))
+        grads = grad_fn(ms.Tensor(local))
         _, ref_grads = ref_fn(ms.Tensor(whole))
+        if run.entry == "backward":
+            enable_mindspore_backward_compat()    # value_and_grad turned the grad flag off
+            if run.mode != "plain":
+                checks[f"step {step}: grad stays None in main_grad mode"] = equal(
+                    [p.name for p, g in zip(params, grads) if g is not None], [])
         got = [p.main_grad for p in params] if run.mode != "plain" else list(grads)
+        # torch-style: a shard whose unit did not run has no grad (the reference's is zeros)
+        got = [mint.zeros(p.shape, dtype=ms.float32) if g is None else g
+               for p, g in zip(params, got)]
         for param, g, want in zip(params, got, ref_grads):
             managed = param.hsdp_param
             want = np.asarray(want.asnumpy(), np.float32)
@@ -238,12 +291,16 @@ def train_and_compare(ctx, run: Run) -> dict:
     return checks
 
 
-def add_cases(into: Suite, name: str, run: Run, modes=MODES) -> None:
-    for mode in modes:
-        def case(ctx, run=run, mode=mode):
-            run = Run(**{**run.__dict__, "mode": mode})
-            return train_and_compare(ctx, run)
-        into.add(f"{name}_{mode}", case)
+def add_cases(into: Suite, name: str, run: Run, modes=MODES, entries=ENTRIES) -> None:
+    for entry in entries:
+        for mode in modes:
+            if entry == "backward" and mode not in BACKWARD_MODES:
+                continue
+
+            def case(ctx, run=run, mode=mode, entry=entry):
+                run = Run(**{**run.__dict__, "mode": mode, "entry": entry})
+                return train_and_compare(ctx, run)
+            into.add(f"{name}_{mode}" + ("_backward" if entry == "backward" else ""), case)
 
 
 def _add(name: str, run: Run, modes=MODES) -> None:
