@@ -77,3 +77,25 @@ def test_a_graph_the_loss_abandoned_is_closed_and_the_next_step_records(mode, to
     cases.loss_of(model, x).backward()
     for got, ref in zip(_shard_grads(model, mode), want[0]):
         np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["plain", "main_async"])
+def test_after_a_backward_whose_cell_hook_raised_the_next_step_records(mode, torch_style):
+    """MindSpore turns its grad flag off when a cell's backward hook raises inside
+    ``loss.backward()`` (a unit refusing a collective order does that at 2 ranks): zero_grad
+    turns recording back on, and the next step is exact."""
+    want = _reference_grads(1)
+    model, _ = cases._build(cases.Run(mode=mode), 1)
+    torch_style()
+    x = ms.Tensor(cases._batch(0, 0, 1, 4)[0])
+
+    def refuse(cell, grad_output):
+        raise RuntimeError("injected failure in a backward hook")
+    handle = model.b.register_backward_pre_hook(refuse)
+    with pytest.raises(RuntimeError, match="injected failure in a backward hook"):
+        cases.loss_of(model, x).backward()
+    handle.remove()
+    model.zero_grad()
+    cases.loss_of(model, x).backward()
+    for got, ref in zip(_shard_grads(model, mode), want[0]):
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6)

@@ -65,6 +65,12 @@ def torch_style_recording() -> bool:
     return backward_compat_recording()
 
 
+def resume_recording() -> None:
+    """Under torch-style backward, turn MindSpore's grad flag back on (a ``value_and_grad`` call
+    turns it off when it returns, and so does a backward whose cell hook raised)."""
+    restore_recording()
+
+
 def discard_open_grad_graph() -> None:
     """Drop PyNative's grad graphs and their state (what MindSpore does after a failed compile);
     under torch-style backward, forwards are recorded again afterwards (``clear_res`` turns the

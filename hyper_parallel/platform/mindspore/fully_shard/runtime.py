@@ -28,6 +28,7 @@ from hyper_parallel.platform.mindspore.fully_shard.autograd import (backward_eng
                                                                      grad_graph_open,
                                                                      in_backward,
                                                                      queue_end_of_backward,
+                                                                     resume_recording,
                                                                      torch_style_recording)
 from hyper_parallel.platform.mindspore.fully_shard.order import UNIT_SLOTS, UnitOrderCheck
 from hyper_parallel.platform.mindspore.fully_shard.recompute import non_reentrant_recompute
@@ -209,9 +210,15 @@ class FullyShardRuntime:
         completed ``loss.backward()`` too: a graph is taken as abandoned only on evidence, a
         failure path of this runtime that ran since the last step boundary, or a recorded use of
         a unit whose backward never ran (an exception after the model, in the loss); recording
-        goes on after the discard."""
+        goes on after the discard, and after MindSpore turned it off on its own."""
         self.recover_from_failed_backward()
-        if in_backward() or not grad_graph_open():
+        if in_backward():
+            return False
+        if not grad_graph_open():
+            # nothing open; under torch-style backward MindSpore turned recording off itself
+            # (a backward whose cell hook raised, a value_and_grad call): on again
+            self.failure_seen = False
+            resume_recording()
             return False
         units = self.live_units()
         if any(unit.in_forward or unit.in_backward_use for unit in units):
