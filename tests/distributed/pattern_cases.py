@@ -327,14 +327,29 @@ _add("weight_read_outside_its_unit", Run(pattern="tie"))
 _add("dynamic_rows_and_a_frozen_parameter", Run(frozen_bias=True, seq_lens=(4, 2, 3)))
 
 
-@suite.case
-def pool_memory_never_reaches_autograd(ctx) -> dict:
-    """Plain mode: the shard gradients value_and_grad returns share no byte with any pool
-    allocation (they are autograd's own memory), for a unit used twice."""
+def through_both_entries(fn):
+    """Register ``fn(ctx, entry)`` as ``<name>`` (value_and_grad) and ``<name>_backward``."""
+    for entry in ENTRIES:
+        def case(ctx, entry=entry):
+            if entry == "value_and_grad":
+                return fn(ctx, entry)
+            enable_mindspore_backward_compat()
+            try:
+                return fn(ctx, entry)
+            finally:
+                disable_mindspore_backward_compat()
+        suite.add(fn.__name__ + ("_backward" if entry == "backward" else ""), case)
+    return fn
+
+
+@through_both_entries
+def pool_memory_never_reaches_autograd(ctx, entry) -> dict:
+    """Plain mode: the shard gradients autograd gives (value_and_grad's result, or each grad
+    after loss.backward()) share no byte with any pool allocation (they are autograd's own
+    memory), for a unit used twice."""
     model, config = _build(Run(pattern="twice"), ctx.world_size)
     local, _ = _batch(0, ctx.rank, ctx.world_size, ROWS)
-    _, grads = ms.value_and_grad(lambda x: loss_of(model, x), None,
-                                 model.trainable_params())(ms.Tensor(local))
+    grads = gradient_step(model, model.trainable_params(), entry)(ms.Tensor(local))
     pool = runtime_for(config).pool
     spans = [(b.tensor.untyped_storage().data_ptr(), b.nbytes)
              for b in pool._buckets]                      # pylint: disable=protected-access
@@ -346,8 +361,8 @@ def pool_memory_never_reaches_autograd(ctx) -> dict:
             "returned gradients overlapping a pool bucket": equal(overlaps, [])}
 
 
-@suite.case
-def recompute_gathers_no_more(ctx) -> dict:
+@through_both_entries
+def recompute_gathers_no_more(ctx, entry) -> dict:
     """A step with recompute all-gathers exactly as often as one without (the recomputed
     forward reads what the backward gathered)."""
     counts = {}
@@ -364,8 +379,7 @@ def recompute_gathers_no_more(ctx) -> dict:
             return inner
         with wrapped_communicators(count):
             model, _ = _build(Run(recompute=recompute, mode="main_async"), ctx.world_size)
-            grad_fn = ms.value_and_grad(lambda x: loss_of(model, x), None,
-                                        model.trainable_params())
+            grad_fn = gradient_step(model, model.trainable_params(), entry)
             local, _ = _batch(0, ctx.rank, ctx.world_size, ROWS)
             grad_fn(ms.Tensor(local))
             calls.clear()
@@ -375,8 +389,8 @@ def recompute_gathers_no_more(ctx) -> dict:
             "some all-gathers": equal(counts["none"] > 0, ctx.world_size > 1)}
 
 
-@suite.case
-def dropped_models_return_their_leases(ctx) -> dict:
+@through_both_entries
+def dropped_models_return_their_leases(ctx, entry) -> dict:
     """Build, train and drop 4 models per mode in one process, collector off: no lease stays
     live, and the pool's reserved bytes stop growing after the first model (its buckets are
     reused, not leaked)."""
@@ -388,8 +402,7 @@ def dropped_models_return_their_leases(ctx) -> dict:
             for index in range(4):
                 model, config = _build(Run(mode=mode), ctx.world_size)
                 local, _ = _batch(index, ctx.rank, ctx.world_size, ROWS)
-                ms.value_and_grad(lambda x, m=model: loss_of(m, x), None,
-                                  model.trainable_params())(ms.Tensor(local))
+                gradient_step(model, model.trainable_params(), entry)(ms.Tensor(local))
                 stats = runtime_for(config).pool.stats()
                 checks[f"{mode} model {index}: live leases after its step"] = equal(
                     stats.live_leases, 0)
