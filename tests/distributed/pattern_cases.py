@@ -55,6 +55,7 @@ ENTRIES = ("value_and_grad", "backward")
 # the synchronous main_grad reduce is a reduce-path variant, not an entry-point one: torch-style
 # backward runs plain and main_grad with the asynchronous reduce
 BACKWARD_MODES = ("plain", "main_async")
+MICRO = 3                # micro-batches per optimizer step in the micro-step cases
 FAIL = {"where": None}   # where the next forward raises: "a", "root", "loss" or None
 
 
@@ -132,6 +133,8 @@ class Run:
     reshard: bool = True
     mesh: tuple = ()               # () = every rank in one shard group; (2, 2) = HSDP
     forward_prefetch: bool = False  # embed prefetches a, a prefetches b (explicit)
+    micro: str = ""                # "": one batch per step; MICRO micro-batches reduced at each
+    #                                ("sync") or accumulated without sync until the last ("no_sync")
     extra: dict = field(default_factory=dict)
 
 
@@ -259,10 +262,9 @@ def _train_and_compare(ctx, run: Run) -> dict:
             model.skip_b = False
             reserved.append(pool.stats().bytes_reserved)
             continue            # abandoned on every rank: no update, as for the reference
-        grads = grad_fn(ms.Tensor(local))
-        _, ref_grads = ref_fn(ms.Tensor(whole))
+        grads, ref_grads = _accumulated_grads(model, run, grad_fn, ref_fn, step, rank, world,
+                                              rows)
         if run.entry == "backward":
-            enable_mindspore_backward_compat()    # value_and_grad turned the grad flag off
             if run.mode != "plain":
                 checks[f"step {step}: grad stays None in main_grad mode"] = equal(
                     [p.name for p, g in zip(params, grads) if g is not None], [])
@@ -272,14 +274,13 @@ def _train_and_compare(ctx, run: Run) -> dict:
                for p, g in zip(params, got)]
         for param, g, want in zip(params, got, ref_grads):
             managed = param.hsdp_param
-            want = np.asarray(want.asnumpy(), np.float32)
             expected = want if managed.replicate else np_chunk(want, managed.shard_dim,
                                                                managed.rank, managed.world_size)
             scale = float(np.abs(want).max(initial=0.0)) or 1.0
             checks[f"step {step} {param.name}"] = allclose(g, expected, rtol=0.0,
                                                            atol=GRAD_TOL * scale)
         _sgd(params, got)
-        _sgd(ref_params, ref_grads)
+        _sgd(ref_params, [ms.Tensor(g) for g in ref_grads])
         reserved.append(pool.stats().bytes_reserved)
     model.zero_grad()
     checks["no lease held after the steps"] = equal(pool.stats().live_leases, 0)
@@ -289,6 +290,32 @@ def _train_and_compare(ctx, run: Run) -> dict:
         checks["frozen parameter not managed"] = equal(
             (hasattr(model.a.b, "hsdp_param"), tuple(model.a.b.shape)), (False, (7,)))
     return checks
+
+
+def _accumulated_grads(model, run: Run, grad_fn, ref_fn, step: int, rank: int, world: int,
+                       rows: int) -> tuple:
+    """One optimizer step's gradients: the sharded model's as autograd gives them (summed over
+    value_and_grad's results; torch-style ``grad`` sums itself) and the reference's, summed over
+    the micro-batches as NumPy arrays (``run.micro``: MICRO micro-batches, reduced at each one
+    or accumulated without sync until the last)."""
+    count = MICRO if run.micro else 1
+    grads, ref_total = None, None
+    for micro in range(count):
+        if run.micro == "no_sync":
+            model.set_requires_gradient_sync(micro == count - 1)
+        local, whole = _batch(step if not run.micro else 1000 * (micro + 1) + step, rank, world,
+                              rows)
+        got = grad_fn(ms.Tensor(local))
+        _, ref_grads = ref_fn(ms.Tensor(whole))
+        if run.entry == "backward":
+            enable_mindspore_backward_compat()    # value_and_grad turned the grad flag off
+            grads = got                           # each grad holds the sum so far
+        else:
+            grads = got if grads is None else [mint.add(a, b) for a, b in zip(grads, got)]
+        ref_grads = [np.asarray(g.asnumpy(), np.float32) for g in ref_grads]
+        ref_total = ref_grads if ref_total is None else [a + b for a, b in zip(ref_total,
+                                                                             ref_grads)]
+    return tuple(grads), ref_total
 
 
 def add_cases(into: Suite, name: str, run: Run, modes=MODES, entries=ENTRIES) -> None:
@@ -325,6 +352,8 @@ _add("unit_skipped_on_one_rank_only_kept_gathered", Run(skip_b_on_last_rank_at=(
                                                         reshard=False), ("main_async",))
 _add("weight_read_outside_its_unit", Run(pattern="tie"))
 _add("dynamic_rows_and_a_frozen_parameter", Run(frozen_bias=True, seq_lens=(4, 2, 3)))
+_add("micro_steps_reduced_each", Run(micro="sync"))
+_add("micro_steps_without_sync", Run(micro="no_sync"))
 
 
 def through_both_entries(fn):
