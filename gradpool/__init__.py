@@ -23,8 +23,8 @@ if TYPE_CHECKING:
                                  real_device_target, return_free_host_memory, synchronize)
     from gradpool.dtypes import (DTYPE_NAMES, SUPPORTED_DTYPES, check_dtype, dtype_named,
                                  itemsize, nan_fill, overwrite, writable_view)
-    from gradpool.errors import (ArgumentTypeError, CheckpointError, CommError,
-                                 FeatureNotProvidedError, ForeignLeaseError,
+    from gradpool.errors import (ArgumentTypeError, BackwardNotRecordedError, CheckpointError,
+                                 CommError, FeatureNotProvidedError, ForeignLeaseError,
                                  GradientIntegrityError, GradPoolError, InPlaceOpError,
                                  InvalidArgumentError, InvalidFenceError, LayoutMismatchError,
                                  LeaseStateError, MeshGroupError, MetaDeviceError,

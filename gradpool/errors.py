@@ -88,6 +88,11 @@ class MeshGroupError(GradPoolError, RuntimeError):
     ``"fake"`` (the message names the dim and how to make a real one)."""
 
 
+class BackwardNotRecordedError(GradPoolError, RuntimeError):
+    """Torch-style ``backward()`` of a tensor no recorded forward made (the message says why: the
+    grad flag off, ``no_grad``, or nothing requiring grad)."""
+
+
 # -- argument checks (no silent coercion: True is not 1, "no" is not False, nan is not a size) --
 def check_bool(name: str, value) -> None:
     if not isinstance(value, bool):

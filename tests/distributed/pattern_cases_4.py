@@ -12,7 +12,12 @@ import mindspore as ms
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import Suite
-from pattern_cases import Run, add_cases, pool_memory_never_leaves_the_pool
+from pattern_cases import Run, add_cases as add_both_entries, pool_memory_never_leaves_the_pool
+
+
+def add_cases(into, name, run, modes):
+    """value_and_grad only at 4 ranks: torch-style backward runs every case at 1 and 2 ranks."""
+    add_both_entries(into, name, run, modes, entries=("value_and_grad",))
 
 suite = Suite("patterns_4", blocking_launch=True)
 MODES = ("plain", "main_async")

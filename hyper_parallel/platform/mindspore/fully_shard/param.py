@@ -275,10 +275,12 @@ class MindSporeHSDPParamV2:
             self._grad = None
 
     def zero_grad(self) -> None:
-        """Drop the gradient; ``main_grad`` becomes zeros (main_grad mode), so a unit that does
+        """Drop the gradient, and the shard's torch-style ``grad`` (``loss.backward()``
+        accumulates there); ``main_grad`` becomes zeros (main_grad mode), so a unit that does
         not run in a step still gives the optimizer a gradient."""
         self.clear_reduce_scatter_output()
         self._grad = None
+        self.sharded_param._grad = None
         self.sharded_param.main_grad = self.zero_main_grad()
 
     def zero_main_grad(self) -> Optional[ms.Tensor]:
