@@ -1,8 +1,8 @@
 """Expert parallelism, the single-process parts: the local experts' sparse compute against the
 E=1 model's dense MoE, their matmul FLOPs counted from the shapes MindSpore was given, the
 all-to-all dispatcher's bookkeeping (an exchange between E simulated ranks, in NumPy, against a
-dense NumPy MoE), which dispatcher a run uses and its plan costs, and the refusals. The collectives run on real msrun ranks in
-tests/test_moe_distributed.py."""
+dense NumPy MoE), which dispatcher a run uses and its plan costs, and the refusals. The
+collectives and both dispatchers run on real msrun ranks in tests/test_moe_distributed.py."""
 import dataclasses
 
 import mindspore as ms
