@@ -339,6 +339,7 @@ SIMPLE = {
     "model.expert_hidden": st.integers(1, 4096),
     "model.seq_len": st.integers(1, 4096),
     "model.batch_size": st.integers(1, 512),
+    "model.moe_dispatcher": st.sampled_from(["auto", "all-to-all", "all-gather"]),
     "train.steps": st.integers(1, 10_000),
     "train.micro_steps": st.integers(1, 64),
     "train.learning_rate": finite_positive,

@@ -101,6 +101,13 @@ MEANINGS = {
         "expert-parallel ranks per MoE layer: each holds `num_experts / expert_parallel` "
         "experts (1: every rank holds all); divides `num_experts`, `launch.ranks` and the "
         "mesh's shard size",
+    "model.moe_dispatcher":
+        "the token dispatcher of `expert_parallel > 1`: `all-to-all` sends each routed row only "
+        "to its expert's rank (`mint.distributed.all_to_all_single` on Ascend; off Ascend a "
+        "stand-in built from all-gathers, for tests), `all-gather` gathers the EP group's tokens "
+        "on every rank and reduce-scatters the outputs; `auto`: all-to-all on Ascend, all-gather "
+        "elsewhere. `gradpool plan` costs the same one. See "
+        "[expert parallelism](using-fully-shard.md#experts-on-their-own-sub-mesh-expert-parallelism)",
     "model.batch_size":
         "sequences per rank per micro-step (keep the global batch when the world size changes: "
         "4 at 2 ranks is 2 at 4 ranks)",

@@ -12,6 +12,7 @@ from typing import Optional
 from gradpool import DTYPE_NAMES, SUPPORTED_DEVICES, GradPoolConfig
 from gradpool.app.config_rules import (Bool, Choice, EnvMapping, Int, ListOf, PositiveNumber,
                                        Text, _key, _Section)
+from gradpool.app.dispatchers import AUTO, DISPATCHERS
 from gradpool.app.errors import ConfigValueError
 from gradpool.device import blocks_launches_by_default
 
@@ -78,6 +79,8 @@ class ModelConfig(_Section):
     # E: each MoE layer's routed experts split over E expert-parallel ranks (1: every rank
     # holds every expert). EP groups are E consecutive ranks.
     expert_parallel: int = _key(1, Int(minimum=1))
+    # the token dispatcher of expert_parallel > 1 (gradpool.app.dispatchers)
+    moe_dispatcher: str = _key(AUTO, Choice((AUTO,) + DISPATCHERS))
 
     def _check_together(self, source: str) -> None:
         if self.hidden_size % self.num_heads:
