@@ -23,7 +23,7 @@ if TYPE_CHECKING:
                                  synchronize)
     from gradpool.dtypes import (DTYPE_NAMES, SUPPORTED_DTYPES, check_dtype, dtype_named,
                                  itemsize, nan_fill, overwrite, writable_view)
-    from gradpool.errors import (ArgumentTypeError, CheckpointError, CommError,
+    from gradpool.errors import (ArgumentTypeError, CheckpointError, CollectiveError, CommError,
                                  ForeignLeaseError, GradientIntegrityError, GradPoolError,
                                  InvalidArgumentError, InvalidFenceError, LayoutMismatchError,
                                  LeaseStateError, NonFiniteNormError, PoolCapacityError,
