@@ -263,7 +263,7 @@ def _interrupted(launch, procs: list, signum: int) -> LaunchInterrupted:
             else f"rank(s) {ranks}")
     left = [r.pid for r in rank_report.read_ranks(launch.report_dir, launch.spec.ranks,
                                                   results=False)
-            if r is not None and pid_alive(r.pid)]
+            if r is not None and still_ours(r)]
     where = f"; processes still ending: {left}" if left else ", no process of the launch left"
     message = (f"{name}: stopped {what}{where}; last committed checkpoint: "
                f"{_last_checkpoint(launch)}; logs in {launch.log_dir}")
@@ -399,13 +399,38 @@ def _stop(procs: list, launch, via_msrun: bool,
         try:
             proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
+            # our child, not reaped yet: its pid cannot have been given to another process
             _kill_group(proc.pid)
             proc.wait()
     # Workers run in their own sessions (msrun starts them with setsid): kill any left by pid,
-    # also one that recorded its exit but hangs in it.
+    # also one that recorded its exit but hangs in it; only while the pid is still the rank's.
     for report in rank_report.read_ranks(launch.report_dir, launch.spec.ranks, results=False):
-        if report is not None and pid_alive(report.pid):
-            _kill_group(report.pid)
+        if report is not None:
+            kill_rank(report)
+
+
+def still_ours(report: RankReport) -> bool:
+    """Whether ``report``'s pid is still the rank's process: alive, and started when the rank
+    said it did (``pid_start``, as :mod:`~gradpool.app.lifeline` checks the launcher). A rank
+    that died may have its pid reused by an unrelated process; a report without a start time
+    cannot prove it, so it is not ours to kill."""
+    if report.pid_start is None:
+        return False
+    return lifeline.process_start(report.pid) == report.pid_start
+
+
+def kill_rank(report: RankReport) -> bool:
+    """Kill the process group of ``report``'s rank if its pid is :func:`still_ours`; whether it
+    was signalled. (The start time is read just before the kill: a pid is reused only after the
+    kernel has handed out every other one, far longer than that gap.)"""
+    if not still_ours(report):
+        if report.pid_start is None and pid_alive(report.pid):
+            logger.warning("rank %d: process %d is alive, but its report has no start time to "
+                           "tell it from another process that got its pid; not killed",
+                           report.rank, report.pid)
+        return False
+    _kill_group(report.pid)
+    return True
 
 
 def _kill_group(pid: int) -> None:
