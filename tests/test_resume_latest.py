@@ -278,6 +278,31 @@ def test_with_async_save_a_step_is_pruned_only_after_a_newer_one_committed(tmp_p
     assert _loaded_value(step_dir(tmp_path, 3)) == 2.0
 
 
+def test_a_background_save_commits_within_a_step_of_its_last_write(tmp_path):
+    """save_every 2: the save of step 2 is not committed by the step that started it, nor while
+    any rank's write still runs; at the end of the first step after every write finished it is
+    (before step 4's save), so latest() finds it and a kill from then on loses nothing of it."""
+    import time
+    cfg = load_config(TINY, [f"train.save_dir={tmp_path}", "train.async_save=true",
+                             "train.save_every=2", "train.steps=6"])
+    net = Net(2.0)
+    saver = checkpoints.StepSaver(cfg, net, None, 1, 0)
+    assert saver.after_step(1) is None and saver.started is None and not saver.written()
+    assert saver.after_step(2) is None and saver.started["step"] == 2
+    while not saver.pending.done():
+        time.sleep(0.01)
+    assert not saver.written(), "a save started by this step commits at a later step"
+    assert saver.commit_if_written(False) is None
+    assert saver.after_step(3) is None and saver.written()
+    assert saver.commit_if_written(False) is None          # another rank still writes
+    assert checkpoint.latest(tmp_path) is None
+    saved = saver.commit_if_written(True)
+    assert saved["step"] == 2 and saved["asynchronous"]
+    assert checkpoint.latest(tmp_path) == step_dir(tmp_path, 2)
+    assert saver.pending is None and not saver.written() and saver.finish() is None
+    assert _loaded_value(step_dir(tmp_path, 2)) == 2.0
+
+
 # -- config edges --------------------------------------------------------------------------------
 @pytest.mark.parametrize("key", ["train.save_dir", "train.resume_from", "launch.log_dir",
                                  "model.seq_len"])

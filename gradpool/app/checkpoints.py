@@ -22,8 +22,9 @@ as Megatron's and torchtitan's do. ``train.keep_last: N`` removes, after each sa
 step directories older than the newest N (:func:`hyper_parallel.checkpoint.steps.prune`).
 
 With ``train.async_save`` each save is written in the background (:class:`StepSaver`): it is
-committed, and ``keep_last`` prunes after it, at the next save or at the end of the run; before
-that ``latest`` does not see it. ``train.verify_checkpoint: false`` (or ``gradpool train
+committed, and ``keep_last`` prunes after it, at the end of the first step after every rank's
+write finished (at the latest at the next save or the end of the run); before that ``latest``
+does not see it. ``train.verify_checkpoint: false`` (or ``gradpool train
 --no-verify``) skips the checksums of ``resume_from`` before the launch and in the ranks' load,
 and the launcher says so.
 
@@ -38,7 +39,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from gradpool.app.config import RunConfig
 from gradpool.errors import CheckpointError, StateMismatchError
@@ -50,6 +51,9 @@ WRITER = "gradpool train"
 # The rank report key under which each rank publishes the newest checkpoint it saw committed
 # ({"path", "step"}), for the launcher's line when a signal stops the run.
 LAST_CHECKPOINT = "last_checkpoint"
+# ... and the save it has started and not committed yet ({"path", "step"}, or None): a stop
+# signal lets it finish and commit first (gradpool.app.supervise, train.stop_save_grace_s).
+SAVE_IN_FLIGHT = "save_in_flight"
 # What decides the batches and the updates besides the saved state (see the module docstring).
 TRAJECTORY_KEYS = ("seed", "micro_steps", "optimizer", "learning_rate")
 # fully_shard settings that change the gradients or the sharding a run trains with
@@ -257,37 +261,68 @@ def _committed(cfg: RunConfig, result, rank: int) -> dict:
 
 class StepSaver:
     """The saves of one rank of a run: synchronous, or with ``train.async_save`` in the
-    background. Every rank calls :meth:`after_step` after each step and :meth:`finish` once
-    training ended well (both are wait points of the checkpoint API: collective)."""
+    background. Every rank calls :meth:`after_step` after each step, :meth:`commit_if_written`
+    once the ranks have learned whether every rank's background write has finished (the run's
+    per-step exchange carries :meth:`written`), and :meth:`finish` once training ended well (all
+    three are wait points of the checkpoint API: collective). A background save is so committed
+    at the end of the first step after the last rank's write finished: a kill loses what a
+    synchronous save would, plus the steps the write overlapped. ``announce(step, path)`` is
+    called when a save starts (its commit is in the dict the call that commits it returns)."""
 
-    def __init__(self, cfg: RunConfig, model, optimizer, world: int, rank: int):
+    def __init__(self, cfg: RunConfig, model, optimizer, world: int, rank: int,
+                 announce: Optional[Callable[[int, str], None]] = None):
         self.cfg, self.model, self.optimizer = cfg, model, optimizer
         self.world, self.rank = world, rank
+        self.announce = announce
         self.pending = None         # the asynchronous save not committed yet
         self.started: Optional[dict] = None     # the save the last after_step started
 
     def after_step(self, steps_done: int) -> Optional[dict]:
         """Save when :func:`save_due`; the save committed by this call (synchronous: this step's;
-        asynchronous: the previous one's, which had to commit before the next starts), or None.
-        :attr:`started` says what an asynchronous save started."""
+        asynchronous: the previous one's when its write still ran, since it must commit before
+        the next starts), or None. :attr:`started` says what an asynchronous save started."""
         self.started = None
         if not save_due(self.cfg, steps_done):
             return None
+        path = str(step_dir(self.cfg.train.save_dir, steps_done))
         if not self.cfg.train.async_save:
+            self._announce(steps_done, path)
             return save_step(self.cfg, self.model, self.optimizer, steps_done, self.world,
                              self.rank)
         from hyper_parallel import checkpoint
         committed = self.finish()
-        self.pending = checkpoint.save(step_dir(self.cfg.train.save_dir, steps_done), self.model,
-                                       self.optimizer, step=steps_done,
+        self._announce(steps_done, path)
+        self.pending = checkpoint.save(path, self.model, self.optimizer, step=steps_done,
                                        extra=run_extra(self.cfg, self.world), async_save=True)
         self.started = {"step": steps_done, "path": self.pending.path}
         return committed
+
+    def written(self) -> bool:
+        """Whether this rank's background write of a save started before this step has finished
+        (False with none pending, and for one started by this step's :meth:`after_step`, so a
+        step commits at most one save)."""
+        return self.pending is not None and self.started is None and self.pending.done()
+
+    def commit_if_written(self, every_rank_written: bool) -> Optional[dict]:
+        """Commit the pending save when ``every_rank_written`` (every rank's :meth:`written`, as
+        the per-step exchange reported it: the same on every rank); its dict, or None."""
+        from hyper_parallel import checkpoint
+        if self.pending is None or not every_rank_written:
+            return None
+        if checkpoint.pending() is not self.pending:
+            raise CheckpointError(f"the background save of {self.pending.path} is no longer the "
+                                  "process's pending one: another save ran in between")
+        pending, self.pending = self.pending, None
+        return _committed(self.cfg, checkpoint.commit_ready(True), self.rank)
 
     def finish(self) -> Optional[dict]:
         """Commit the pending asynchronous save (the end of the run waits for it); its dict."""
         pending, self.pending = self.pending, None
         return None if pending is None else _committed(self.cfg, pending.wait(), self.rank)
+
+    def _announce(self, step: int, path: str) -> None:
+        if self.announce is not None:
+            self.announce(step, path)
 
 
 def resume(cfg: RunConfig, model, optimizer, world: int) -> dict:

@@ -11,7 +11,8 @@ rank's process alive), and after killing the other workers it waits for MindSpor
 which waits out the dead node's heartbeat timeout.
 
 SIGTERM, SIGHUP and SIGINT to the launcher stop msrun and every rank too (:mod:`gradpool.app.lifeline`:
-msrun and the ranks run in sessions of their own, so the signal reaches only the launcher); the
+msrun and the ranks run in sessions of their own, so the signal reaches only the launcher), once
+a save in progress has finished and committed, or ``train.stop_save_grace_s`` has passed; the
 launch then ends with :class:`~gradpool.app.lifeline.LaunchInterrupted` (status 128 + the
 signal) after one logged line naming what was stopped and the last committed checkpoint.
 """
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from gradpool.app import lifeline, rank_report
-from gradpool.app.checkpoints import LAST_CHECKPOINT
+from gradpool.app.checkpoints import LAST_CHECKPOINT, SAVE_IN_FLIGHT
 from gradpool.app.lifeline import LaunchInterrupted
 from gradpool.app.rank_report import RankReport
 from gradpool.errors import InvalidArgumentError
@@ -170,7 +171,8 @@ class _Watch:
 _TIMED_OUT, _STOPPED = "timed out", "stopped"      # _supervise's outcomes besides a code
 
 
-def _run(launch, timeout: float, failure_grace: float, peers: dict) -> LaunchResult:
+def _run(launch, timeout: float, failure_grace: float, peers: dict,
+         stop_save_grace: float = 0.0) -> LaunchResult:
     logger.info("launching ranks %s: %s", list(launch.spec.ranks),
                 " ".join(launch.command))
     watch = _Watch(launch, peers)
@@ -179,7 +181,8 @@ def _run(launch, timeout: float, failure_grace: float, peers: dict) -> LaunchRes
     signals = lifeline.StopSignals()
     try:
         with signals:
-            returncode = _supervise(launch, procs, watch, signals, timeout, failure_grace)
+            returncode = _supervise(launch, procs, watch, signals, timeout, failure_grace,
+                                    stop_save_grace)
     except BaseException:
         _stop(procs, launch, via_msrun=launch.via_msrun)     # leave nothing running
         raise
@@ -207,10 +210,11 @@ def _run(launch, timeout: float, failure_grace: float, peers: dict) -> LaunchRes
 
 
 def _supervise(launch, procs: list, watch: "_Watch", signals, timeout: float,
-               failure_grace: float):
+               failure_grace: float, stop_save_grace: float = 0.0):
     """Start the launch's processes into ``procs`` and watch them until they end (their return
     code), a rank fails and the grace passes or the launch times out (stopped: ``_STOPPED``,
-    ``_TIMED_OUT``), or a stop signal arrives (stopped, ``signals.signum`` set)."""
+    ``_TIMED_OUT``), or a stop signal arrives (stopped, ``signals.signum`` set, after a save in
+    progress had up to ``stop_save_grace`` seconds to commit)."""
     start = time.monotonic()
     failed_at = None
     # Once every rank of a one-node job has ended well, the launcher ends msrun, whose scheduler
@@ -228,6 +232,7 @@ def _supervise(launch, procs: list, watch: "_Watch", signals, timeout: float,
                                           start_new_session=True))
     while True:
         if signals.signum is not None:
+            _let_save_commit(launch, procs, signals.signum, stop_save_grace)
             _stop(procs, launch, via_msrun=launch.via_msrun, grace=_INTERRUPT_GRACE_SECONDS)
             return _STOPPED
         if _all_ended(procs, POLL_SECONDS):
@@ -269,6 +274,42 @@ def _interrupted(launch, procs: list, signum: int) -> LaunchInterrupted:
                f"{_last_checkpoint(launch)}; logs in {launch.log_dir}")
     logger.warning("%s", message)
     return LaunchInterrupted(signum, message)
+
+
+def _saves_in_flight(launch) -> dict[int, int]:
+    """``{rank: step}`` of this node's running ranks that have a save started and not committed
+    (rank_main publishes it: ``checkpoints.SAVE_IN_FLIGHT``)."""
+    found = {}
+    for report in rank_report.read_ranks(launch.report_dir, launch.spec.ranks):
+        if report is None or report.exit_code is not None or not still_ours(report):
+            continue
+        saving = (report.results or {}).get(SAVE_IN_FLIGHT)
+        if isinstance(saving, dict):
+            found[report.rank] = saving["step"]
+    return found
+
+
+def _let_save_commit(launch, procs: list, signum: int, grace: float) -> None:
+    """A stop signal came. If a rank of this node has a save in progress, give it up to
+    ``grace`` seconds to finish and commit (a background save commits at the end of the first
+    step after every rank's write finished; the ranks train on meanwhile, and a save they start
+    later is not waited for), saying so; then the caller stops every rank."""
+    in_flight = _saves_in_flight(launch) if grace > 0 else {}
+    if not in_flight:
+        return
+    name, step = signal.Signals(signum).name, max(in_flight.values())
+    logger.warning("%s: letting the save of step %d finish and commit before stopping the ranks "
+                   "(up to %.0f s: train.stop_save_grace_s)", name, step, grace)
+    start = time.monotonic()
+    while time.monotonic() - start < grace:
+        if all(saved > step for saved in _saves_in_flight(launch).values()):
+            logger.warning("%s: the save of step %d committed after %.1f s", name, step,
+                           time.monotonic() - start)
+            return
+        if _all_ended(procs, 0.2):
+            return
+    logger.warning("%s: the save of step %d did not commit within %.0f s "
+                   "(train.stop_save_grace_s); it stays uncommitted", name, step, grace)
 
 
 def _last_checkpoint(launch) -> str:
