@@ -158,43 +158,27 @@ def run_rank(cfg: RunConfig, out_dir, on_step: Optional[Callable] = None,
             if log_steps:
                 print(resumed_line(outcome.resumed), flush=True)
         reporter.publish(STEPS, steps)
-
-        def announce(step: int, path: str) -> None:
-            reporter.publish(checkpoints.SAVE_IN_FLIGHT, {"path": path, "step": step})
-
-        saver = checkpoints.StepSaver(cfg, model, optimizer, world, rank, announce=announce)
-
-        def committed(saved: Optional[dict]) -> None:
-            if saved is not None:
-                outcome.saved.append(saved)
-                reporter.publish(checkpoints.LAST_CHECKPOINT, {"path": saved["path"],
-                                                                "step": saved["step"]})
-                if saver.pending is None and saver.started is None:
-                    reporter.publish(checkpoints.SAVE_IN_FLIGHT, None)
-                if log_steps:
-                    print(saved_line(saved), flush=True)
+        saves = _RankSaves(checkpoints.StepSaver(cfg, model, optimizer, world, rank),
+                           reporter, outcome, log_steps)
 
         def write(record) -> None:
-            record.saved = saver.after_step(record.step + 1)
+            record.saved = saves.saver.after_step(record.step + 1)
             steps.append(dataclasses.asdict(record))
             reporter.publish(STEPS, steps)
             outcome.steps = record.step + 1 - first_step
             if log_steps:
                 print(step_line(cfg, record, rank, world), flush=True)
-            committed(record.saved)
-            if log_steps and saver.started is not None:
-                print(f"saving step {saver.started['step']} to {saver.started['path']} in "
-                      "the background (train.async_save)", flush=True)
+            saves.committed(record.saved)
+            saves.tell_started()
             # every rank reaches this point of every step: rank 0 learns everyone's counters,
             # and every rank whether every background write of a save has finished
             rows = exchange(runtime.comm, [getattr(record, n) for n, _ in STEP_FIELDS]
-                            + [int(saver.written())], SYNC_FIELDS)
-            ready = saver.commit_if_written(all(row[-1] for row in rows))
+                            + [int(saves.saver.written())], SYNC_FIELDS)
+            ready = saves.saver.commit_if_written(all(row[-1] for row in rows))
             if ready is not None:
-                record.saved = ready        # at most one commit a step (StepSaver.written)
-                steps[-1]["saved"] = ready
+                record.saved = steps[-1]["saved"] = ready     # at most one commit a step
                 reporter.publish(STEPS, steps)
-                committed(ready)
+                saves.committed(ready)
             rows = [row[:-1] for row in rows]
             if rank == 0:
                 reporter.publish_entry(JOB_STEPS, str(record.step), {
@@ -204,7 +188,7 @@ def run_rank(cfg: RunConfig, out_dir, on_step: Optional[Callable] = None,
                 on_step(record)
         train_sharded(cfg, model, runtime.comm, runtime.pool, on_step=write,
                       optimizer=optimizer, first_step=first_step)
-        committed(saver.finish())       # the end of the run commits a background save
+        saves.committed(saves.saver.finish())   # the end of the run commits a background save
     except Exception as exc:  # noqa: BLE001 - the process boundary: record, then report
         outcome.status = STATUS_FAILED
         outcome.error_type = type(exc).__name__
@@ -224,6 +208,38 @@ def run_rank(cfg: RunConfig, out_dir, on_step: Optional[Callable] = None,
         # waiting in it are stopped by the launcher; their outcome is on file already.
         _publish_job(cfg, reporter, runtime.comm, outcome)
     return outcome
+
+
+class _RankSaves:
+    """A rank's saves as its report and its log show them: the save in flight
+    (``checkpoints.SAVE_IN_FLIGHT``, which a stop signal waits for), the last committed one
+    (``checkpoints.LAST_CHECKPOINT``), the outcome's list and the log's lines."""
+
+    def __init__(self, saver, reporter, outcome: RankOutcome, log_steps: bool):
+        self.saver, self.reporter = saver, reporter
+        self.outcome, self.log_steps = outcome, log_steps
+        saver.announce = self._announce
+
+    def committed(self, saved: Optional[dict]) -> None:
+        """Record a committed save (None: nothing was)."""
+        if saved is None:
+            return
+        self.outcome.saved.append(saved)
+        self.reporter.publish(checkpoints.LAST_CHECKPOINT, {"path": saved["path"],
+                                                             "step": saved["step"]})
+        if self.saver.pending is None and self.saver.started is None:
+            self.reporter.publish(checkpoints.SAVE_IN_FLIGHT, None)
+        if self.log_steps:
+            print(saved_line(saved), flush=True)
+
+    def tell_started(self) -> None:
+        started = self.saver.started
+        if self.log_steps and started is not None:
+            print(f"saving step {started['step']} to {started['path']} in the background "
+                  "(train.async_save)", flush=True)
+
+    def _announce(self, step: int, path: str) -> None:
+        self.reporter.publish(checkpoints.SAVE_IN_FLIGHT, {"path": path, "step": step})
 
 
 def prepare_process(launch: LaunchConfig) -> None:
