@@ -346,6 +346,7 @@ SIMPLE = {
     "train.seed": st.integers(0, 2**32 - 1),
     "train.optimizer": st.sampled_from(["adam", "sgd"]),
     "train.async_save": st.booleans(),
+    "train.stop_save_grace_s": st.integers(0, 3600),
     "train.verify_checkpoint": st.booleans(),
     "train.resume_from": st.none() | st.text(
         st.characters(whitelist_categories=("L", "N"), whitelist_characters="/_-. "),

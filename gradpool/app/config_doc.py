@@ -134,8 +134,12 @@ MEANINGS = {
     "train.async_save":
         "write each checkpoint in the background: the step waits only for a copy of the state "
         "in host memory; a save is committed (resumable, counted by `latest` and `keep_last`) "
-        "at the next save or the end of the run (see "
+        "at the end of the first step after every rank's write finished (see "
         "[Asynchronous save](checkpoints.md#asynchronous-save))",
+    "train.stop_save_grace_s":
+        "on SIGTERM, SIGINT or SIGHUP to the launcher, the seconds a save in progress gets to "
+        "finish and commit before every rank is stopped (the launcher prints it); 0: stop at "
+        "once (the save is left uncommitted, the previous step stays `latest`)",
     "train.verify_checkpoint":
         "check every checksum of `resume_from` before the launch and in the ranks' load; "
         "`false` (trusted storage) checks sizes, save ids and headers only and says so",

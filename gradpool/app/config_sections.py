@@ -118,8 +118,10 @@ class TrainConfig(_Section):
     # a step-<N> directory, or "latest": the newest committed, intact one under save_dir
     resume_from: Optional[str] = _key(None, Text(nullable=True))
     keep_last: Optional[int] = _key(None, Int(minimum=1, nullable=True))   # null: keep all
-    # write each checkpoint in the background (committed at the next save or the end of the run)
+    # write each checkpoint in the background (committed within a step of its last write)
     async_save: bool = _key(False, Bool())
+    # a stop signal to the launcher lets a save in progress commit for up to this long
+    stop_save_grace_s: int = _key(60, Int(minimum=0))
     # false: resume_from's checksums are not checked (said on stderr and in the ranks' logs)
     verify_checkpoint: bool = _key(True, Bool())
 
