@@ -33,8 +33,8 @@ from typing import Any, Optional, Protocol
 import mindspore as ms
 from mindspore import mint
 
-from gradpool.device import (SUPPORTED_DEVICES, device_memory_bytes, device_target,
-                             on_real_device, real_device_target, synchronize)
+from gradpool.device import (SUPPORTED_DEVICES, device_memory_bytes, on_real_device,
+                             real_device_target, synchronize)
 from gradpool.dtypes import check_dtype, is_supported_singleton, itemsize, nan_fill, writable_view
 from gradpool.errors import (ForeignLeaseError, InvalidArgumentError, InvalidFenceError,
                              LeaseStateError, PoolCapacityError, check_bool, check_int)
