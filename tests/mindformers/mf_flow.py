@@ -22,7 +22,6 @@ differentiates.
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -275,13 +274,3 @@ def backward_torch_style(model, ids, labels, sense):
     loss = forward_loss(model, ids, labels)
     loss.backward(ms.Tensor([sense], ms.float32).reshape(()))
     return loss
-
-
-def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
-    """Largest absolute difference relative to the largest reference value."""
-    scale = float(np.abs(expected).max()) or 1.0
-    return float(np.abs(np.asarray(actual) - expected).max()) / scale
-
-
-def copy_of(state: dict) -> dict:
-    return copy.deepcopy(state)
