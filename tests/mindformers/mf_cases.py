@@ -127,7 +127,15 @@ def qwen3_recompute_full_loss_backward(ctx):
     """``recompute: {mode: full}`` on every layer: mindformers' apply_ac wraps the layers with
     hyper_parallel's checkpoint_wrapper before apply_fsdp."""
     return _run(ctx, _setup().QWEN3_TINY, "loss.backward", _hsdp_shard(ctx.world_size),
-                recompute="full")
+                recompute="full", check=_every_layer_checkpointed)
+
+
+def _every_layer_checkpointed(model) -> dict:
+    wrapped = [name for name, cell in model.cells_and_names()
+               if hasattr(cell, "checkpoint_wrapped_module")
+               and "checkpoint_wrapped_module" in cell.__dict__.get("_cells", {})]
+    return {"layers_checkpointed": equal(wrapped, ["model.decoder.layers.0",
+                                                   "model.decoder.layers.1"])}
 
 
 def _seed_settings(model) -> dict:

@@ -163,10 +163,17 @@ def full_value(param, local=None) -> np.ndarray:
     return np.array(local.astype(ms.float32).asnumpy(), dtype=np.float64)
 
 
+_WRAPPER = "checkpoint_wrapped_module."    # recompute's wrapper cell, between a layer and its path
+
+
+def canonical(path: str) -> str:
+    """A parameter's path without the recompute wrapper's segment: the unwrapped model's path."""
+    return path.replace(_WRAPPER, "")
+
+
 def names_to_params(model) -> dict:
-    """``{path in model: parameter}`` of the trainable parameters (the keys the state dict of
-    ``hyper_parallel`` uses)."""
-    return {name: p for name, p in model.parameters_and_names() if p.requires_grad}
+    """``{path: parameter}`` of the trainable parameters, paths as in the unwrapped model."""
+    return {canonical(name): p for name, p in model.parameters_and_names() if p.requires_grad}
 
 
 def full_state(model) -> dict[str, np.ndarray]:
@@ -176,7 +183,8 @@ def full_state(model) -> dict[str, np.ndarray]:
 def load_full_state(model, state: dict[str, np.ndarray]) -> None:
     """Give the (sharded) ``model`` the full values ``state`` (this rank's rows of each)."""
     from hyper_parallel import set_model_state_dict
-    set_model_state_dict(model, {name: ms.Tensor(values.astype(np.float32))
+    paths = {canonical(name): name for name, _ in model.parameters_and_names()}
+    set_model_state_dict(model, {paths[name]: ms.Tensor(values.astype(np.float32))
                                  for name, values in state.items()})
 
 
