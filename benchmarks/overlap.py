@@ -161,19 +161,19 @@ def _layer_backward_seconds(layers: int) -> float:
     trainer = _Trainer(BASE + MODES[0][1] + [f"model.num_layers={layers}"], 0.0)
     entered, left = {}, {}
     for index, layer in enumerate(trainer.model.layers):
-        unit = layer.__dict__["_hsdp_state"]
+        steps = layer.__dict__["_hsdp_state"].steps
 
-        def timed(grads, unit=unit, index=index):
+        def timed(grads, steps=steps, index=index):
             # PyNative queues kernels and runs them on its own threads: drained at both ends,
             # the gap is the layer's compute, not only the host's time to queue it
             synchronize()
             entered.setdefault(index, []).append(time.perf_counter())
             try:
-                return type(unit).on_backward(unit, grads)
+                return type(steps).on_backward(steps, grads)
             finally:
                 synchronize()
                 left.setdefault(index, []).append(time.perf_counter())
-        unit.on_backward = timed
+        steps.on_backward = timed
     for step in range(3):
         trainer.step(step)
     gaps = [entered[i - 1][s] - left[i][s] for i in range(1, layers) for s in (1, 2)]

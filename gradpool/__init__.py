@@ -19,14 +19,16 @@ if TYPE_CHECKING:
                                CompletedHandle, CpuMcclCommunicator, SingleProcessCommunicator,
                                check_reduce_op, communicator_for, init_distributed,
                                launched_by_msrun)
-    from gradpool.device import (SUPPORTED_DEVICES, device_target, return_free_host_memory,
-                                 synchronize)
+    from gradpool.device import (SUPPORTED_DEVICES, device_target, on_real_device,
+                                 real_device_target, return_free_host_memory, synchronize)
     from gradpool.dtypes import (DTYPE_NAMES, SUPPORTED_DTYPES, check_dtype, dtype_named,
                                  itemsize, nan_fill, overwrite, writable_view)
-    from gradpool.errors import (ArgumentTypeError, CheckpointError, CommError,
-                                 ForeignLeaseError, GradientIntegrityError, GradPoolError,
+    from gradpool.errors import (ArgumentTypeError, BackwardNotRecordedError, CheckpointError,
+                                 CommError, FeatureNotProvidedError, ForeignLeaseError,
+                                 GradientIntegrityError, GradPoolError, InPlaceOpError,
                                  InvalidArgumentError, InvalidFenceError, LayoutMismatchError,
-                                 LeaseStateError, NonFiniteNormError, PoolCapacityError,
+                                 LeaseStateError, MeshGroupError, MetaDeviceError,
+                                 NonFiniteNormError, PoolCapacityError,
                                  StateMismatchError, UnsupportedDtypeError,
                                  UnsupportedPatternError, check_bool, check_int,
                                  check_positive_number)
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
     from gradpool.layout import GradSlot, ReduceScatterLayout, fusion_groups
     from gradpool.pack import Written, chunk_rows, flat_view, local_shard, shard_views, unshard
     from gradpool.writers import accumulate as accumulate_bucket
-    from gradpool.writers import add_in_place
+    from gradpool.writers import add_in_place, check_in_place_add
     from gradpool.writers import pack as pack_bucket
     from gradpool.writers import unpack_gathered
     from gradpool.pool import BucketPool, Fence, Lease, PoolStats, as_fence, fence_done

@@ -3,6 +3,7 @@ asynchronously). MindSpore is imported on first use, so the device list costs no
 (the benchmark report and the config loader need only that)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -50,6 +51,50 @@ def _target_reader():
         logger.debug("MindSpore has no context parameter reader; using get_context")
         return None
     return functools.partial(context.get_param, key)
+
+
+META_DEVICE = "meta"
+
+
+def real_device_target() -> str:
+    """The device real work runs on: :func:`device_target`, or, while ``ms.DeviceCtx("meta")``
+    is active (a model built without memory, as mindformers' Trainer does), the device that
+    context replaced. Pools, communicators and buffers are built there whatever context is
+    active: a bucket on the meta device has no memory to communicate through."""
+    target = device_target()
+    if target != META_DEVICE:
+        return target
+    return _device_under_meta()[0]
+
+
+def _device_under_meta() -> tuple[str, int]:
+    # DeviceCtx keeps, per thread, the device each active context replaced: the newest one
+    # that is not meta is where this thread's real work goes.
+    try:
+        from mindspore.common.device import _DEVICE_STACK
+        saved = list(_DEVICE_STACK.get_stack())
+    except (ImportError, AttributeError):     # another MindSpore release
+        saved = []
+    for info in reversed(saved):
+        if info.device_target != META_DEVICE:
+            return info.device_target, info.device_id
+    from gradpool.errors import InvalidArgumentError
+    raise InvalidArgumentError(
+        "the meta device is the process's device (no ms.DeviceCtx replaced a real one), so "
+        "there is no device to build communication memory on; call ms.set_device('CPU' or "
+        "'Ascend') and enter ms.DeviceCtx('meta') only around model construction")
+
+
+@contextlib.contextmanager
+def on_real_device():
+    """Run the block on :func:`real_device_target` (a no-op unless the meta device is active)."""
+    if device_target() != META_DEVICE:
+        yield
+        return
+    import mindspore as ms
+    target, device_id = _device_under_meta()
+    with ms.DeviceCtx(target, device_id):
+        yield
 
 
 def synchronize() -> None:

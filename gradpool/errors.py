@@ -61,9 +61,36 @@ class UnsupportedPatternError(GradPoolError, RuntimeError):
     cell and what to use instead)."""
 
 
+class InPlaceOpError(GradPoolError, RuntimeError):
+    """An in-place op this device was expected to run left its target unchanged (the message
+    names the op and the option that avoids it)."""
+
+
 class StateMismatchError(GradPoolError, ValueError):
     """A state dict or checkpoint does not fit the model or optimizer it is loaded into: a key
     missing or unexpected, another shape or dtype (the message names the first bad key)."""
+
+
+class FeatureNotProvidedError(GradPoolError, NotImplementedError):
+    """A name of upstream hyper_parallel's surface whose feature gradpool does not provide (tensor,
+    context or pipeline parallelism, activation swap, NPU custom ops, DTensor checkpoint
+    layouts): it imports, and raises this when used. gradpool provides FSDP/HSDP/EP only."""
+
+
+class MetaDeviceError(GradPoolError, RuntimeError):
+    """A parameter built on the meta device (``ms.DeviceCtx("meta")``) has no memory where memory
+    is needed: still on meta at a forward, or initialised before ``to_empty()`` (the message
+    names the parameters and the call to make)."""
+
+
+class MeshGroupError(GradPoolError, RuntimeError):
+    """A device-mesh dim has no communication group: it was made with ``backend_override``
+    ``"fake"`` (the message names the dim and how to make a real one)."""
+
+
+class BackwardNotRecordedError(GradPoolError, RuntimeError):
+    """Torch-style ``backward()`` of a tensor no recorded forward made (the message says why: the
+    grad flag off, ``no_grad``, or nothing requiring grad)."""
 
 
 # -- argument checks (no silent coercion: True is not 1, "no" is not False, nan is not a size) --

@@ -30,7 +30,8 @@ from typing import Any, Optional, Protocol
 import mindspore as ms
 from mindspore import mint
 
-from gradpool.device import SUPPORTED_DEVICES, device_memory_bytes, device_target
+from gradpool.device import (SUPPORTED_DEVICES, device_memory_bytes, on_real_device,
+                             real_device_target)
 from gradpool.dtypes import check_dtype, is_supported_singleton, itemsize, nan_fill, writable_view
 from gradpool.errors import (ForeignLeaseError, InvalidArgumentError, InvalidFenceError,
                              LeaseStateError, PoolCapacityError, check_bool, check_int)
@@ -223,7 +224,8 @@ class BucketPool:
         check_int("max_buckets_in_flight", max_buckets_in_flight, 1, nullable=True)
         check_bool("poison_on_release", poison_on_release)
         check_bool("timed_copies", timed_copies)
-        self.device = device if device is not None else device_target()
+        # under ms.DeviceCtx("meta") (a model built without memory) buckets still need memory
+        self.device = device if device is not None else real_device_target()
         if self.device not in SUPPORTED_DEVICES:
             raise InvalidArgumentError(
                 f"device {self.device!r} is not supported; use one of {SUPPORTED_DEVICES}")
@@ -405,7 +407,8 @@ class BucketPool:
 
     def _allocate(self, capacity: int, dtype) -> _Bucket:
         """A new, untracked bucket record, its allocation forced now (a failure shows here)."""
-        tensor = mint.empty(capacity, dtype=dtype)
+        with on_real_device():
+            tensor = mint.empty(capacity, dtype=dtype)
         try:
             tensor.untyped_storage().data_ptr()      # MindSpore allocates lazily: force it
         except RuntimeError as exc:

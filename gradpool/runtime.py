@@ -13,7 +13,7 @@ from typing import Optional
 
 from gradpool.comm import (Communicator, SingleProcessCommunicator, communicator_for,
                            init_distributed)
-from gradpool.device import device_target
+from gradpool.device import real_device_target
 from gradpool.errors import (InvalidArgumentError, check_bool, check_int,
                              check_positive_number)
 from gradpool.pool import MAX_ALIGNMENT_BYTES, BucketPool
@@ -35,7 +35,9 @@ class GradPoolConfig:
     launches its reduce without waiting (False: it waits), results reaching ``main_grad`` at the
     end of backward. ``check_unit_order``: before each collective of a ``fully_shard`` unit,
     every rank agrees that it runs the same one (a 4-byte all-gather over the world), so a unit
-    run on some ranks only is a clear error, not a hang or mixed shards."""
+    run on some ranks only is a clear error, not a hang or mixed shards. ``main_grad_in_place``:
+    where the device adds in place (Ascend), ``main_grad += shard`` with ``Tensor.add_``, checked
+    once per process to take effect (False: a new ``main_grad`` tensor per reduce)."""
 
     bucket_cap_mib: float = 25.0
     max_buckets_in_flight: Optional[int] = 2
@@ -46,10 +48,11 @@ class GradPoolConfig:
     verify_gradients: bool = False
     async_reduce: bool = True
     check_unit_order: bool = True
+    main_grad_in_place: bool = True
 
     def __post_init__(self) -> None:
         for name in ("zero_copy", "poison_on_release", "verify_gradients", "async_reduce",
-                     "check_unit_order"):
+                     "check_unit_order", "main_grad_in_place"):
             check_bool(f"GradPoolConfig.{name}", getattr(self, name))
         check_positive_number("GradPoolConfig.bucket_cap_mib", self.bucket_cap_mib)
         check_int("GradPoolConfig.max_buckets_in_flight", self.max_buckets_in_flight, 1,
@@ -123,7 +126,7 @@ def build_runtime(config: GradPoolConfig, comm: Optional[Communicator] = None) -
     if not isinstance(config, GradPoolConfig):
         raise InvalidArgumentError(f"config must be a GradPoolConfig, got {config!r}")
     init_distributed()
-    device = device_target()
+    device = real_device_target()
     # Timing each copy synchronizes the device; on Ascend that would serialize copy and comm.
     pool = BucketPool(device=device, timed_copies=device != "Ascend", **config.pool_kwargs())
     return Runtime(config, pool, comm if comm is not None else communicator_for(device))

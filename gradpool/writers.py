@@ -9,13 +9,16 @@ holds a lease and ``host_copies``, not a writer).
 """
 from __future__ import annotations
 
+import functools
 from typing import Protocol, Sequence
 
 import mindspore as ms
 import numpy as np
+from mindspore import mint
 
-from gradpool.device import drain_launch_queue
+from gradpool.device import device_target, drain_launch_queue
 from gradpool.dtypes import host_alias
+from gradpool.errors import InPlaceOpError
 
 from gradpool.host.writer import host_writer
 from gradpool.layout import ReduceScatterLayout
@@ -58,6 +61,25 @@ def accumulate(lease: Lease, grads: Sequence[ms.Tensor], layout: ReduceScatterLa
 def unpack_gathered(lease: Lease, layout: ReduceScatterLayout, *, host: bool) -> list[ms.Tensor]:
     """:func:`gradpool.pack.unpack_gathered` by the pool's writer (``host`` as in :func:`pack`)."""
     return writer_for(lease.pool.device, host).unpack_gathered(lease, layout)
+
+
+@functools.lru_cache(maxsize=None)
+def _in_place_add_takes_effect(device: str) -> bool:
+    probe = mint.zeros((1,), dtype=ms.float32)
+    probe.add_(mint.ones((1,), dtype=ms.float32))
+    return float(probe.asnumpy()[0]) == 1.0      # the one host read: once per process and device
+
+
+def check_in_place_add() -> None:
+    """Raise :class:`InPlaceOpError` unless ``Tensor.add_`` takes effect on this device: one tiny
+    add, read on the host once per process (the CPU backend's ``add_`` of a plain tensor leaves
+    it unchanged; an accumulation relying on it would silently drop gradients)."""
+    device = device_target()
+    if not _in_place_add_takes_effect(device):
+        raise InPlaceOpError(
+            f"Tensor.add_ left its target unchanged on {device}: main_grad cannot accumulate in "
+            "place here; set GradPoolConfig(main_grad_in_place=False) (YAML "
+            "gradpool.main_grad_in_place: false) to add out of place, a new main_grad per reduce")
 
 
 def add_in_place(target: ms.Tensor, addend: ms.Tensor) -> bool:

@@ -333,6 +333,7 @@ SIMPLE = {
     "gradpool.verify_gradients": st.booleans(),
     "gradpool.async_reduce": st.booleans(),
     "gradpool.check_unit_order": st.booleans(),
+    "gradpool.main_grad_in_place": st.booleans(),
     "model.vocab_size": st.integers(2, 100_000),
     "model.num_layers": st.integers(1, 64),
     "model.expert_hidden": st.integers(1, 4096),

@@ -130,12 +130,14 @@ def test_param_reduce_api_keeps_the_gradient_alive():
     assert managed.reduce_comm_dtype(grad) == ms.float32
     managed.set_unsharded_grad(grad.to(ms.float32))          # the aliasing .to() of the seed
     managed.reduce_scatter_grad(async_op=True, reduce_op="sum")
+    view = managed.reduced_shard()
     shard = managed.reduce_scatter_output()
     np.testing.assert_array_equal(shard.asnumpy(), before[1])
     managed.clear_reduce_scatter_output()
     assert grad.untyped_storage().size() == before[0]
     np.testing.assert_array_equal(grad.asnumpy(), before[1])
-    assert np.isnan(shard.asnumpy()).all(), "a released output is recycled (poisoned), not kept"
+    assert np.isnan(view.asnumpy()).all(), "a released output is recycled (poisoned), not kept"
+    np.testing.assert_array_equal(shard.asnumpy(), before[1])   # the caller's copy is its own
 
 
 def test_unshard_and_reshard_install_full_parameters():

@@ -45,4 +45,4 @@ def test_a_prefetching_model_trains_like_the_reference():
         ms.value_and_grad(lambda t: next_token_loss(model, t), None, params)(batch)
         for param, expected in zip(model.trainable_params(), want):
             np.testing.assert_array_equal(param.main_grad.asnumpy(), expected.asnumpy())
-    assert all(u._prefetched is None for u in model._hsdp_units())
+    assert all(u.memory.prefetched is None for u in model._hsdp_units())

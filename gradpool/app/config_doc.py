@@ -85,6 +85,10 @@ MEANINGS = {
         "before each collective of a `fully_shard` unit every rank agrees it runs the same one "
         "(a 4-byte all-gather over the world): a unit run on some ranks only is an error naming "
         "it, not a hang or mixed shards; `false` saves that all-gather",
+    "gradpool.main_grad_in_place":
+        "where the device adds in place (Ascend): `main_grad += shard` with `Tensor.add_`, "
+        "checked once per process to take effect (an error names this key if it does not); "
+        "`false`: a new `main_grad` tensor per reduce",
     "model.vocab_size": "vocabulary; odd on purpose: the embedding and head shard unevenly",
     "model.hidden_size": "model width; a multiple of `num_heads`",
     "model.num_layers": "decoder layers (each one `fully_shard` unit)",

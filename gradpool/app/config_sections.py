@@ -59,6 +59,7 @@ _GRADPOOL_RULES = {
     "verify_gradients": Bool(),
     "async_reduce": Bool(),
     "check_unit_order": Bool(),
+    "main_grad_in_place": Bool(),
 }
 
 

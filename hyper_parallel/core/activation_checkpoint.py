@@ -18,9 +18,18 @@ import mindspore as ms
 from mindspore import nn
 
 from gradpool import InvalidArgumentError
+from hyper_parallel.core.not_provided import (ACTIVATION_SWAP, RECOMPUTE_EXCLUDE, refused_class,
+                                              refused_function)
 from hyper_parallel.platform.mindspore.fully_shard.autograd import replaying_forward
 
-__all__ = ["checkpoint", "checkpoint_wrapper", "CheckpointPolicy", "is_recomputing"]
+__all__ = ["checkpoint", "checkpoint_wrapper", "CheckpointPolicy", "is_recomputing",
+           "SwapManager", "swap_wrapper", "checkpoint_exclude_wrapper"]
+
+# Upstream names whose features are not provided here: they raise when used.
+SwapManager = refused_class("SwapManager", ACTIVATION_SWAP, __name__)
+swap_wrapper = refused_function("swap_wrapper", ACTIVATION_SWAP, __name__)
+checkpoint_exclude_wrapper = refused_function("checkpoint_exclude_wrapper", RECOMPUTE_EXCLUDE,
+                                              __name__)
 
 
 class CheckpointPolicy(enum.Enum):

@@ -9,15 +9,29 @@ Slicing keeps the named dims and fixes every other dim at this rank's coordinate
 covers part of the world: each group reduces only among its members. Groups are created with
 MindSpore's ``create_group`` by their members only (what MindSpore requires), the first time a
 rank asks for them; a group of one rank needs none, a group of every rank is the world group.
+
+What mindformers' ``ParallelDims`` (a port of torchtitan's) builds its meshes with, as torch's
+``DeviceMesh`` has them:
+
+    world = init_device_mesh("npu", (8,), mesh_dim_names=("world",))
+    dense = world._unflatten(0, (1, 2, 4, 1), ("pp", "dp_replicate", "fsdp", "tp"),
+                             backend_override={"pp": "fake", "tp": "fake"})
+    dense["dp_replicate", "fsdp"]            # the 2-D HSDP mesh of this rank
+    dense["dp_replicate", "fsdp"]._flatten("dp")   # the same ranks as one dim
+
+A dim made with backend ``"fake"`` never gets a communicator (asking for its group is an error
+when it has more than one rank); the rank arithmetic is :mod:`hyper_parallel.core.mesh_layout`.
 """
 from __future__ import annotations
 
 import math
 from typing import Optional, Sequence, Union
 
-from gradpool import InvalidArgumentError, check_int
+from gradpool import InvalidArgumentError, MeshGroupError, check_int
+from hyper_parallel.core import mesh_layout
 
 DEVICE_TYPES = ("npu", "cpu", "Ascend", "CPU")
+FAKE_BACKEND = "fake"      # a dim that never communicates (torch's name for it)
 _GROUPS: dict[tuple[int, ...], Optional[str]] = {}   # ranks -> group name (None: world or one)
 
 
@@ -41,7 +55,8 @@ class DeviceMesh:
 
     def __init__(self, device_type: str, mesh_shape: Sequence[int],
                  mesh_dim_names: Optional[Sequence[str]] = None,
-                 ranks: Optional[Sequence[int]] = None):
+                 ranks: Optional[Sequence[int]] = None, *,
+                 backends: Optional[Sequence[Optional[str]]] = None):
         if device_type not in DEVICE_TYPES:
             raise InvalidArgumentError(
                 f"device_type {device_type!r} is not supported; use one of {DEVICE_TYPES}")
@@ -60,6 +75,8 @@ class DeviceMesh:
             raise InvalidArgumentError(
                 f"a {shape} mesh needs {math.prod(shape)} distinct ranks, got {ranks}")
         self.ranks = ranks
+        # per dim: None (a real group, made on first use) or "fake" (never a communicator)
+        self.backends = _check_backends(backends, len(shape))
 
     # -- shape ------------------------------------------------------------------------------------
     @property
@@ -74,13 +91,18 @@ class DeviceMesh:
         return f"DeviceMesh({self.device_type!r}, {self.mesh_shape}{names}, ranks={self.ranks})"
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, DeviceMesh) and (self.mesh_shape, self.mesh_dim_names,
-                                                  self.ranks) == (other.mesh_shape,
-                                                                  other.mesh_dim_names,
-                                                                  other.ranks)
+        return isinstance(other, DeviceMesh) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash((self.mesh_shape, self.mesh_dim_names, self.ranks))
+        return hash(self._key())
+
+    def _key(self) -> tuple:
+        return self.mesh_shape, self.mesh_dim_names, self.ranks, self.backends
+
+    @property
+    def rank_list(self) -> tuple[int, ...]:
+        """The world ranks of the mesh, flat and row-major (upstream's name)."""
+        return self.ranks
 
     # -- this rank --------------------------------------------------------------------------------
     def get_rank(self) -> int:
@@ -92,12 +114,11 @@ class DeviceMesh:
         rank = self.get_rank() if rank is None else rank
         if rank not in self.ranks:
             raise InvalidArgumentError(f"rank {rank} is not in {self!r}")
-        flat = self.ranks.index(rank)
-        coords = []
-        for size in reversed(self.mesh_shape):
-            flat, coord = divmod(flat, size)
-            coords.append(coord)
-        return tuple(reversed(coords))
+        return mesh_layout.coordinates(self.mesh_shape, self.ranks, rank)
+
+    def get_coordinate(self) -> tuple[int, ...]:
+        """This rank's coordinates (upstream's name)."""
+        return self.coordinates()
 
     def get_local_rank(self, dim: Optional[Union[int, str]] = None) -> int:
         return self.coordinates()[self._dim(dim)]
@@ -105,30 +126,79 @@ class DeviceMesh:
     def group_ranks(self, dim: Optional[Union[int, str]] = None) -> tuple[int, ...]:
         """The world ranks of this rank's group along ``dim``, in mesh order."""
         index = self._dim(dim)
-        mine = self.coordinates()
-        return tuple(self._rank_at(mine[:index] + (i,) + mine[index + 1:])
-                     for i in range(self.mesh_shape[index]))
+        self.coordinates()      # this rank must be in the mesh
+        return mesh_layout.group_ranks(self.mesh_shape, self.ranks, index, self.get_rank())
+
+    get_rank_list_along_axis = group_ranks      # upstream's name
 
     def get_group(self, dim: Optional[Union[int, str]] = None) -> Optional[str]:
         """The MindSpore communication group of :meth:`group_ranks` (created on first use);
-        None for a group of one rank. The world group when it spans the whole job."""
-        return _group_for(self.group_ranks(dim))
+        None for a group of one rank. The world group when it spans the whole job. A dim made
+        with backend ``"fake"`` has none: asking for it (with more than one rank) raises."""
+        ranks = self.group_ranks(dim)
+        index = self._dim(dim)
+        if self.backends[index] == FAKE_BACKEND and len(ranks) > 1:
+            name = self.mesh_dim_names[index] if self.mesh_dim_names else index
+            raise MeshGroupError(
+                f"mesh dim {name!r} ({len(ranks)} ranks) was made with backend_override "
+                f"{FAKE_BACKEND!r}: it has no communication group; make it without the override "
+                "to communicate over it")
+        return _group_for(ranks)
 
     # -- slicing ----------------------------------------------------------------------------------
     def __getitem__(self, names: Union[str, Sequence[str]]) -> "DeviceMesh":
-        keep = (names,) if isinstance(names, str) else tuple(names)
+        keep = (names,) if isinstance(names, str) else \
+            tuple(names) if isinstance(names, (tuple, list)) else (names,)
+        if not keep or not all(isinstance(name, str) for name in keep):
+            raise InvalidArgumentError(
+                f"index a mesh by dim names (a name or several), got {names!r}")
         dims = [self._dim(name) for name in keep]
         if len(set(dims)) != len(dims):
             raise InvalidArgumentError(f"mesh dims repeat in {keep}; name each dim once")
-        mine = self.coordinates()
-        shape = tuple(self.mesh_shape[d] for d in dims)
-        ranks = []
-        for flat in range(math.prod(shape)):
-            coords, rest = list(mine), flat
-            for d, size in zip(reversed(dims), reversed(shape)):
-                rest, coords[d] = divmod(rest, size)
-            ranks.append(self._rank_at(tuple(coords)))
-        return DeviceMesh(self.device_type, shape, keep, ranks)
+        self.coordinates()      # this rank must be in the mesh
+        ranks = mesh_layout.submesh_ranks(self.mesh_shape, self.ranks, dims, self.get_rank())
+        return DeviceMesh(self.device_type, tuple(self.mesh_shape[d] for d in dims), keep, ranks,
+                          backends=tuple(self.backends[d] for d in dims))
+
+    # -- reshaping (torch's private names, which torchtitan and mindformers call) -----------------
+    def _unflatten(self, dim: Union[int, str], mesh_sizes: Sequence[int],
+                   mesh_dim_names: Sequence[str],
+                   backend_override: Optional[dict] = None) -> "DeviceMesh":
+        """This mesh with ``dim`` split into dims of ``mesh_sizes`` named ``mesh_dim_names``
+        (row-major: the ranks keep their order). ``backend_override`` maps a new dim (its name,
+        or its index among the new dims) to ``"fake"`` (no communicator, ever) or None."""
+        index = self._dim(dim)
+        sizes = tuple(mesh_sizes)
+        for size in sizes:
+            check_int(f"_unflatten mesh_sizes {sizes} entry", size, 1)
+        new_names = tuple(mesh_dim_names)
+        if len(new_names) != len(sizes):
+            raise InvalidArgumentError(
+                f"_unflatten got {len(sizes)} sizes {sizes} but {len(new_names)} names "
+                f"{new_names}; give one name per size")
+        if math.prod(sizes) != self.mesh_shape[index]:
+            raise InvalidArgumentError(
+                f"_unflatten sizes {sizes} multiply to {math.prod(sizes)}, but dim {dim!r} has "
+                f"{self.mesh_shape[index]} ranks")
+        if self.mesh_dim_names is None and self.ndim > 1:
+            raise InvalidArgumentError(
+                "_unflatten needs a mesh with named dims (or a 1-D one): name the mesh's dims")
+        names = (self.mesh_dim_names or (None,))
+        names = names[:index] + new_names + names[index + 1:]
+        backends = (self.backends[:index] + _override_backends(backend_override, new_names)
+                    + self.backends[index + 1:])
+        return DeviceMesh(self.device_type,
+                          mesh_layout.unflatten_shape(self.mesh_shape, index, sizes),
+                          names, self.ranks, backends=backends)
+
+    def _flatten(self, mesh_dim_name: Optional[str] = None) -> "DeviceMesh":
+        """The same ranks as a 1-D mesh (row-major) named ``mesh_dim_name`` (default: the dim
+        names joined by ``_``), whose one dim is a real group whatever its dims were."""
+        if mesh_dim_name is None:
+            if self.mesh_dim_names is None:
+                raise InvalidArgumentError("_flatten of a mesh without dim names needs a name")
+            mesh_dim_name = "_".join(self.mesh_dim_names)
+        return DeviceMesh(self.device_type, (self.size(),), (mesh_dim_name,), self.ranks)
 
     # -- internals --------------------------------------------------------------------------------
     def _dim(self, dim: Optional[Union[int, str]]) -> int:
@@ -144,11 +214,38 @@ class DeviceMesh:
         check_int("mesh dim", dim, 0, self.ndim - 1)
         return dim
 
-    def _rank_at(self, coords: tuple[int, ...]) -> int:
-        flat = 0
-        for coord, size in zip(coords, self.mesh_shape):
-            flat = flat * size + coord
-        return self.ranks[flat]
+
+
+def _check_backends(backends, ndim: int) -> tuple[Optional[str], ...]:
+    if backends is None:
+        return (None,) * ndim
+    backends = tuple(backends)
+    if len(backends) != ndim or any(b not in (None, FAKE_BACKEND) for b in backends):
+        raise InvalidArgumentError(
+            f"backends must give each of the {ndim} dims None or {FAKE_BACKEND!r}, got {backends}")
+    return backends
+
+
+def _override_backends(override: Optional[dict], names: tuple) -> tuple[Optional[str], ...]:
+    """Per new dim, its backend from ``backend_override`` (keys: names or indices of the new
+    dims; values: None, ``"fake"``)."""
+    override = dict(override or {})
+    backends = []
+    for position, name in enumerate(names):
+        if name in override and position in override:
+            raise InvalidArgumentError(
+                f"backend_override names dim {name!r} twice (by name and as {position})")
+        value = override.pop(name, override.pop(position, None))
+        if value not in (None, FAKE_BACKEND):
+            raise InvalidArgumentError(
+                f"backend_override {value!r} for dim {name!r} is not supported: gradpool makes "
+                f"MindSpore's own groups; give None or {FAKE_BACKEND!r} (no communicator)")
+        backends.append(value)
+    if override:
+        raise InvalidArgumentError(
+            f"backend_override keys {list(override)} are not new dims: use names of {names} or "
+            f"indices 0..{len(names) - 1}")
+    return tuple(backends)
 
 
 def _group_for(ranks: tuple[int, ...]) -> Optional[str]:

@@ -565,8 +565,8 @@ def _gather_log(ctx: Context, cfg, setup) -> tuple[list, object]:
                       for i, layer in enumerate(model.layers)})
         for unit in model._hsdp_units():     # pylint: disable=protected-access
             label = names[id(unit)]
-            unit.gather = _logged(log, f"gather {label}", unit.gather)
-            unit.on_backward = _logged(log, f"backward {label}", unit.on_backward)
+            unit.memory.gather = _logged(log, f"gather {label}", unit.memory.gather)
+            unit.steps.on_backward = _logged(log, f"backward {label}", unit.steps.on_backward)
         params = model.trainable_params()
         tokens = ms.Tensor(make_batch_np(cfg.model, 0, ctx.rank, ctx.world_size,
                                          seed=cfg.train.seed))
@@ -746,13 +746,13 @@ def poison_makes_a_read_of_released_gather_memory_fail_loudly(ctx: Context) -> d
         seen["nan"] = [bool(np.isnan(b.tensor.asnumpy()).all()) for b in layer.buffers if b]
         return loss
 
-    layer.needs_gather = lambda: False            # the re-gather before backward is skipped
+    layer.memory.needs_gather = lambda: False     # the re-gather before backward is skipped
     grad_fn = ms.value_and_grad(loss_fn, None, model.trainable_params())
     checks = {"the step raises LeaseStateError naming the released parameter": raises(
         LeaseStateError, lambda: grad_fn(tokens), "released after forward", "DecoderLayer")}
     checks["released buffers held NaN when the loss was computed"] = equal(
         bool(seen["nan"]) and all(seen["nan"]), True)
-    del layer.needs_gather
+    del layer.memory.needs_gather
     model.zero_grad()
     grad_fn(tokens)                               # with the re-gather, the same model steps
     checks["the next step, gathered again, has finite main_grad"] = equal(

@@ -2,6 +2,14 @@
 (tests/test_patterns_distributed.py at 2 ranks; tests/test_patterns.py runs them at world size
 1 in-process).
 
+Each case trains through both entry points: ``value_and_grad`` (named ``<case>_<mode>``) and
+torch-style ``loss.backward()`` after ``enable_mindspore_backward_compat()`` (named
+``<case>_<mode>_backward``; plain mode reads each shard's ``grad``, main_grad mode its
+``main_grad`` and checks ``grad`` stays None). The unsharded reference always trains through
+``value_and_grad``, which turns MindSpore's grad flag off when it returns; the torch-style run
+turns it back on right after it, so each ``model.zero_grad()`` sees what a completed
+``loss.backward()`` left.
+
 The model: a root (its own head) over three units, ``embed`` (5 -> 7), ``a`` and ``b`` (7 -> 7),
 every dimension odd so at 2 ranks each parameter's dim 0 needs padding (uneven shards: where the
 bugs of this file showed). Every case trains STEPS steps of plain SGD on each rank's rows of a
@@ -33,7 +41,10 @@ from harness import Suite, allclose, equal, raises, wrapped_communicators
 from hyper_parallel import fully_shard, init_device_mesh
 from hyper_parallel.core.activation_checkpoint import checkpoint, checkpoint_wrapper
 from hyper_parallel.core.fully_shard import MixedPrecisionPolicy
+from hyper_parallel.platform.mindspore.autograd_compat import (disable_mindspore_backward_compat,
+                                                               enable_mindspore_backward_compat)
 from npref import np_chunk
+import tied_cases  # noqa: E402  (its cases join this suite)
 
 suite = Suite("patterns", blocking_launch=True)
 STEPS = 3
@@ -41,6 +52,11 @@ ROWS = 4                 # per rank
 LR = 0.3
 GRAD_TOL = 2e-6
 MODES = ("plain", "main_async", "main_sync")
+ENTRIES = ("value_and_grad", "backward")
+# the synchronous main_grad reduce is a reduce-path variant, not an entry-point one: torch-style
+# backward runs plain and main_grad with the asynchronous reduce
+BACKWARD_MODES = ("plain", "main_async")
+MICRO = 3                # micro-batches per optimizer step in the micro-step cases
 FAIL = {"where": None}   # where the next forward raises: "a", "root", "loss" or None
 
 
@@ -106,6 +122,7 @@ class Run:
 
     pattern: str = "plain"
     mode: str = "plain"
+    entry: str = "value_and_grad"   # or "backward": torch-style loss.backward()
     recompute: str = ""            # "", "before", "after", "after_nonreentrant", "wrapper"
     frozen_bias: bool = False
     skip_b_at: tuple = ()          # steps whose forward skips unit b
@@ -117,6 +134,10 @@ class Run:
     reshard: bool = True
     mesh: tuple = ()               # () = every rank in one shard group; (2, 2) = HSDP
     forward_prefetch: bool = False  # embed prefetches a, a prefetches b (explicit)
+    fused: bool = False            # comm_fusion: one bucket per unit and dtype
+    recompute_at: tuple = ()       # steps before which a.recompute() (reentrant) is called again
+    micro: str = ""                # "": one batch per step; MICRO micro-batches reduced at each
+    #                                ("sync") or accumulated without sync until the last ("no_sync")
     extra: dict = field(default_factory=dict)
 
 
@@ -132,9 +153,9 @@ def _build(run: Run, world: int):
         mesh["mesh"] = init_device_mesh("cpu", run.mesh, mesh_dim_names=("dp_replicate", "fsdp"))
     for name in ("embed", "a", "b"):
         fully_shard(getattr(model, name), mp_policy=mp, pool_config=config,
-                    reshard_after_forward=run.reshard, **mesh)
+                    reshard_after_forward=run.reshard, comm_fusion=run.fused, **mesh)
     fully_shard(model, mp_policy=mp, pool_config=config, reshard_after_forward=run.reshard,
-                **mesh)
+                comm_fusion=run.fused, **mesh)
     if run.forward_prefetch:
         model.embed.set_modules_to_forward_prefetch([model.a])
         model.a.set_modules_to_forward_prefetch([model.b])
@@ -164,16 +185,36 @@ def _sgd(params, grads) -> None:
         ops.assign(param, param - LR * grad)
 
 
+def gradient_step(model, params, entry: str):
+    """``x ->`` the gradients autograd gives ``params`` for ``loss_of(model, x)``: what
+    ``value_and_grad`` returns, or each parameter's ``grad`` after torch-style
+    ``loss.backward()`` (None where nothing was accumulated)."""
+    if entry == "value_and_grad":
+        grad_fn = ms.value_and_grad(lambda x: loss_of(model, x), None, params)
+        return lambda x: grad_fn(x)[1]
+
+    def backward(x):
+        loss_of(model, x).backward()
+        return tuple(param.grad for param in params)
+    return backward
+
+
 def _inject_failures(model, run: Run, rank: int, world: int) -> dict:
     checks = {}
-    grad_fn = ms.value_and_grad(lambda x: loss_of(model, x), None, model.trainable_params())
+    grad_fn = gradient_step(model, model.trainable_params(), run.entry)
     local, _ = _batch(99, rank, world, ROWS)
     for where in run.fail_before:
         if where == "reentrant_recompute":
             model.pattern = "recompute_fn_reentrant"
-            checks["reentrant recompute refused"] = raises(
-                UnsupportedPatternError, lambda: grad_fn(ms.Tensor(local)), "Lin",
-                "use_reentrant=False")
+            if run.entry == "backward":
+                # MindSpore's reentrant recompute needs value_and_grad's top cell: its forward
+                # raises under torch-style backward, sharded or not
+                checks["reentrant recompute fails in MindSpore's forward"] = raises(
+                    RuntimeError, lambda: grad_fn(ms.Tensor(local)), "top_cell")
+            else:
+                checks["reentrant recompute refused"] = raises(
+                    UnsupportedPatternError, lambda: grad_fn(ms.Tensor(local)), "Lin",
+                    "use_reentrant=False")
             model.pattern = run.pattern
             model.zero_grad()
             continue
@@ -185,18 +226,33 @@ def _inject_failures(model, run: Run, rank: int, world: int) -> dict:
             checks[f"failure in {where} raised"] = equal("injected failure" in str(exc), True)
         finally:
             FAIL["where"] = None
+        units = model._hsdp_units()                # pylint: disable=protected-access
+        checks[f"failure in {where}: uses awaiting a backward, per unit"] = equal(
+            [u.steps.uses_awaiting_backward for u in units], [0] * len(units))
+        checks[f"failure in {where}: live leases"] = equal(
+            units[0].reducer.pool.stats().live_leases, 0)
         model.zero_grad()
     return checks
 
 
 def train_and_compare(ctx, run: Run) -> dict:
+    if run.entry == "value_and_grad":
+        return _train_and_compare(ctx, run)
+    enable_mindspore_backward_compat()
+    try:
+        return _train_and_compare(ctx, run)
+    finally:       # later cases of the process train through value_and_grad
+        disable_mindspore_backward_compat()
+
+
+def _train_and_compare(ctx, run: Run) -> dict:
     rank, world = ctx.rank, ctx.world_size
     model, config = _build(run, world)
     ref = _reference(run)
     params = model.trainable_params()
     ref_params = ref.trainable_params()
     checks = _inject_failures(model, run, rank, world)
-    grad_fn = ms.value_and_grad(lambda x: loss_of(model, x), None, params)
+    grad_fn = gradient_step(model, params, run.entry)
     ref_fn = ms.value_and_grad(lambda x: loss_of(ref, x), None, ref_params)
     pool = runtime_for(config).pool
     reserved = []
@@ -206,6 +262,8 @@ def train_and_compare(ctx, run: Run) -> dict:
         model.skip_b = ref.skip_b = step in run.skip_b_at or (
             step in run.skip_b_on_last_rank_at and world == 1)
         model.zero_grad()
+        if step in run.recompute_at:     # switched on (again) between steps, after forwards ran
+            model.a.recompute()
         if step in run.skip_b_on_last_rank_at and world > 1:
             model.skip_b = rank == world - 1
             checks[f"step {step}: b skipped on rank {world - 1} only, refused"] = raises(
@@ -214,20 +272,30 @@ def train_and_compare(ctx, run: Run) -> dict:
             model.skip_b = False
             reserved.append(pool.stats().bytes_reserved)
             continue            # abandoned on every rank: no update, as for the reference
-        _, grads = grad_fn(ms.Tensor(local))
-        _, ref_grads = ref_fn(ms.Tensor(whole))
+        grads, ref_grads = _accumulated_grads(model, run, grad_fn, ref_fn, step, rank, world,
+                                              rows)
+        if run.entry == "backward":
+            if run.mode != "plain":
+                checks[f"step {step}: grad stays None in main_grad mode"] = equal(
+                    [p.name for p, g in zip(params, grads) if g is not None], [])
         got = [p.main_grad for p in params] if run.mode != "plain" else list(grads)
+        # torch-style: a shard whose unit did not run has no grad (the reference's is zeros)
+        got = [mint.zeros(p.shape, dtype=ms.float32) if g is None else g
+               for p, g in zip(params, got)]
         for param, g, want in zip(params, got, ref_grads):
             managed = param.hsdp_param
-            want = np.asarray(want.asnumpy(), np.float32)
             expected = want if managed.replicate else np_chunk(want, managed.shard_dim,
                                                                managed.rank, managed.world_size)
             scale = float(np.abs(want).max(initial=0.0)) or 1.0
             checks[f"step {step} {param.name}"] = allclose(g, expected, rtol=0.0,
                                                            atol=GRAD_TOL * scale)
         _sgd(params, got)
-        _sgd(ref_params, ref_grads)
+        _sgd(ref_params, [ms.Tensor(g) for g in ref_grads])
         reserved.append(pool.stats().bytes_reserved)
+        if run.recompute or run.recompute_at:   # a reentrant recompute cell is switched, not kept
+            checks[f"step {step}: reentrant recompute cells left in a"] = equal(
+                [n for n, c in model.a.cells_and_names() if type(c).__name__ == "_RecomputeCell"],
+                [])
     model.zero_grad()
     checks["no lease held after the steps"] = equal(pool.stats().live_leases, 0)
     # buckets are reserved in the first step and reused (shapes, skipped units, uses vary)
@@ -238,12 +306,42 @@ def train_and_compare(ctx, run: Run) -> dict:
     return checks
 
 
-def add_cases(into: Suite, name: str, run: Run, modes=MODES) -> None:
-    for mode in modes:
-        def case(ctx, run=run, mode=mode):
-            run = Run(**{**run.__dict__, "mode": mode})
-            return train_and_compare(ctx, run)
-        into.add(f"{name}_{mode}", case)
+def _accumulated_grads(model, run: Run, grad_fn, ref_fn, step: int, rank: int, world: int,
+                       rows: int) -> tuple:
+    """One optimizer step's gradients: the sharded model's as autograd gives them (summed over
+    value_and_grad's results; torch-style ``grad`` sums itself) and the reference's, summed over
+    the micro-batches as NumPy arrays (``run.micro``: MICRO micro-batches, reduced at each one
+    or accumulated without sync until the last)."""
+    count = MICRO if run.micro else 1
+    grads, ref_total = None, None
+    for micro in range(count):
+        if run.micro == "no_sync":
+            model.set_requires_gradient_sync(micro == count - 1)
+        local, whole = _batch(step if not run.micro else 1000 * (micro + 1) + step, rank, world,
+                              rows)
+        got = grad_fn(ms.Tensor(local))
+        _, ref_grads = ref_fn(ms.Tensor(whole))
+        if run.entry == "backward":
+            enable_mindspore_backward_compat()    # value_and_grad turned the grad flag off
+            grads = got                           # each grad holds the sum so far
+        else:
+            grads = got if grads is None else [mint.add(a, b) for a, b in zip(grads, got)]
+        ref_grads = [np.asarray(g.asnumpy(), np.float32) for g in ref_grads]
+        ref_total = ref_grads if ref_total is None else [a + b for a, b in zip(ref_total,
+                                                                             ref_grads)]
+    return tuple(grads), ref_total
+
+
+def add_cases(into: Suite, name: str, run: Run, modes=MODES, entries=ENTRIES) -> None:
+    for entry in entries:
+        for mode in modes:
+            if entry == "backward" and mode not in BACKWARD_MODES:
+                continue
+
+            def case(ctx, run=run, mode=mode, entry=entry):
+                run = Run(**{**run.__dict__, "mode": mode, "entry": entry})
+                return train_and_compare(ctx, run)
+            into.add(f"{name}_{mode}" + ("_backward" if entry == "backward" else ""), case)
 
 
 def _add(name: str, run: Run, modes=MODES) -> None:
@@ -257,6 +355,7 @@ _add("unit_applied_twice_forward_prefetch", Run(pattern="twice", forward_prefetc
 _add("recompute_before_fully_shard", Run(recompute="before"))
 _add("recompute_after_fully_shard", Run(recompute="after"))
 _add("recompute_non_reentrant", Run(recompute="after_nonreentrant"))
+_add("recompute_switched_on_between_steps", Run(recompute_at=(1, 2)))
 _add("recompute_functional", Run(pattern="recompute_fn"))
 _add("recompute_checkpoint", Run(pattern="checkpoint"))
 _add("recompute_checkpoint_wrapper", Run(recompute="wrapper"))
@@ -268,29 +367,111 @@ _add("unit_skipped_on_one_rank_only_kept_gathered", Run(skip_b_on_last_rank_at=(
                                                         reshard=False), ("main_async",))
 _add("weight_read_outside_its_unit", Run(pattern="tie"))
 _add("dynamic_rows_and_a_frozen_parameter", Run(frozen_bias=True, seq_lens=(4, 2, 3)))
+_add("micro_steps_reduced_each", Run(micro="sync"))
+_add("micro_steps_without_sync", Run(micro="no_sync"))
 
 
-@suite.case
-def pool_memory_never_reaches_autograd(ctx) -> dict:
-    """Plain mode: the shard gradients value_and_grad returns share no byte with any pool
-    allocation (they are autograd's own memory), for a unit used twice."""
+def through_both_entries(fn):
+    """Register ``fn(ctx, entry)`` as ``<name>`` (value_and_grad) and ``<name>_backward``."""
+    for entry in ENTRIES:
+        def case(ctx, entry=entry):
+            if entry == "value_and_grad":
+                return fn(ctx, entry)
+            enable_mindspore_backward_compat()
+            try:
+                return fn(ctx, entry)
+            finally:
+                disable_mindspore_backward_compat()
+        suite.add(fn.__name__ + ("_backward" if entry == "backward" else ""), case)
+    return fn
+
+
+@through_both_entries
+def pool_memory_never_reaches_autograd(ctx, entry) -> dict:
+    """Plain mode: the shard gradients autograd gives (value_and_grad's result, or each grad
+    after loss.backward()) share no byte with any pool allocation (they are autograd's own
+    memory), for a unit used twice."""
     model, config = _build(Run(pattern="twice"), ctx.world_size)
     local, _ = _batch(0, ctx.rank, ctx.world_size, ROWS)
-    _, grads = ms.value_and_grad(lambda x: loss_of(model, x), None,
-                                 model.trainable_params())(ms.Tensor(local))
+    grads = gradient_step(model, model.trainable_params(), entry)(ms.Tensor(local))
     pool = runtime_for(config).pool
+    named = {p.name: g for p, g in zip(model.trainable_params(), grads)}
+    return {"buckets exist": equal(len(pool._buckets) > 0, True),   # pylint: disable=protected-access
+            "returned gradients overlapping a pool bucket": equal(
+                _sharing_a_bucket(pool, named), [])}
+
+
+def _sharing_a_bucket(pool, tensors: dict) -> list:
+    """The names of ``tensors`` whose storage overlaps a pool bucket's."""
     spans = [(b.tensor.untyped_storage().data_ptr(), b.nbytes)
              for b in pool._buckets]                      # pylint: disable=protected-access
-    overlaps = []
-    for param, grad in zip(model.trainable_params(), grads):
-        start, size = grad.untyped_storage().data_ptr(), grad.untyped_storage().nbytes()
-        overlaps += [param.name for s, n in spans if start < s + n and s < start + size]
-    return {"buckets exist": equal(len(spans) > 0, True),
-            "returned gradients overlapping a pool bucket": equal(overlaps, [])}
+    found = []
+    for name, tensor in tensors.items():
+        start, size = tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()
+        found += [name for s, n in spans if start < s + n and s < start + size]
+    return found
 
 
-@suite.case
-def recompute_gathers_no_more(ctx) -> dict:
+def pool_memory_never_leaves_the_pool(ctx, mesh: tuple = ()) -> dict:
+    """Nothing a caller receives shares a byte with a pool allocation: the shard gradients
+    value_and_grad returns (plain mode, a unit used twice), ``main_grad`` (asynchronous and
+    synchronous, fused buckets), the micro-step path, the HSDP partial sums kept between
+    backwards without the replicate all-reduce (a mesh with replicas), and what the upstream
+    ``reduce_scatter_output()`` returns."""
+    checks = {}
+    variants = [("plain, a unit used twice", Run(pattern="twice", mesh=mesh), 1),
+                ("main_grad asynchronous", Run(mode="main_async", mesh=mesh), 1),
+                ("main_grad synchronous, fused", Run(mode="main_sync", fused=True, mesh=mesh), 1),
+                ("main_grad, two micro-steps, fused", Run(mode="main_async", fused=True,
+                                                          mesh=mesh), 2),
+                ("plain, two micro-steps", Run(mesh=mesh), 2)]
+    for label, run, micro_steps in variants:
+        model, config = _build(run, ctx.world_size)
+        params = model.trainable_params()
+        grad_fn = ms.value_and_grad(lambda x, m=model: loss_of(m, x), None, params)
+        for micro in range(micro_steps):
+            last = micro == micro_steps - 1
+            if mesh:       # HSDP: replicas keep their partial sums until the last micro-step
+                model.set_requires_all_reduce(last)
+            else:          # FSDP: micro-steps accumulate in the unit's pool buckets
+                model.set_requires_gradient_sync(last)
+            local, _ = _batch(micro, ctx.rank, ctx.world_size, ROWS)
+            _, grads = grad_fn(ms.Tensor(local))
+            pool = runtime_for(config).pool
+            held = {f"{p.name} partial": p.hsdp_param.partial for p in params
+                    if p.hsdp_param.partial is not None}
+            if micro_steps > 1 and micro == 0 and mesh:
+                checks[f"{label}: partial sums kept after micro-step 0"] = equal(
+                    len(held) > 0, ctx.world_size > 1)
+            held.update({f"{p.name} grad": g for p, g in zip(params, grads)})
+            held.update({f"{p.name} main_grad": p.main_grad for p in params
+                         if p.main_grad is not None})
+            checks[f"{label}: micro-step {micro}, tensors sharing a pool bucket"] = equal(
+                _sharing_a_bucket(pool, held), [])
+        checks[f"{label}: buckets exist"] = equal(len(pool._buckets) > 0,   # pylint: disable=protected-access
+                                                  True)
+        model.zero_grad()
+    model, config = _build(Run(), ctx.world_size)
+    managed = model.trainable_params()[0].hsdp_param
+    local, _ = _batch(0, ctx.rank, ctx.world_size, ROWS)
+    full = ms.Tensor(np.ones(managed.orig_shape, np.float32))
+    managed.set_unsharded_grad(full)
+    managed.reduce_scatter_grad(async_op=False, reduce_op="sum")
+    output = managed.reduce_scatter_output()
+    checks["reduce_scatter_output(): shares a pool bucket"] = equal(
+        _sharing_a_bucket(runtime_for(config).pool, {"output": output}), [])
+    managed.clear_reduce_scatter_output()
+    checks["reduce_scatter_output(): its values after the bucket went back"] = allclose(
+        output, np_chunk(np.full(managed.orig_shape, float(ctx.world_size), np.float32),
+                         managed.shard_dim, managed.rank, managed.world_size))
+    return checks
+
+
+suite.add("pool_memory_never_leaves_the_pool", pool_memory_never_leaves_the_pool)
+
+
+@through_both_entries
+def recompute_gathers_no_more(ctx, entry) -> dict:
     """A step with recompute all-gathers exactly as often as one without (the recomputed
     forward reads what the backward gathered)."""
     counts = {}
@@ -307,8 +488,7 @@ def recompute_gathers_no_more(ctx) -> dict:
             return inner
         with wrapped_communicators(count):
             model, _ = _build(Run(recompute=recompute, mode="main_async"), ctx.world_size)
-            grad_fn = ms.value_and_grad(lambda x: loss_of(model, x), None,
-                                        model.trainable_params())
+            grad_fn = gradient_step(model, model.trainable_params(), entry)
             local, _ = _batch(0, ctx.rank, ctx.world_size, ROWS)
             grad_fn(ms.Tensor(local))
             calls.clear()
@@ -318,8 +498,8 @@ def recompute_gathers_no_more(ctx) -> dict:
             "some all-gathers": equal(counts["none"] > 0, ctx.world_size > 1)}
 
 
-@suite.case
-def dropped_models_return_their_leases(ctx) -> dict:
+@through_both_entries
+def dropped_models_return_their_leases(ctx, entry) -> dict:
     """Build, train and drop 4 models per mode in one process, collector off: no lease stays
     live, and the pool's reserved bytes stop growing after the first model (its buckets are
     reused, not leaked)."""
@@ -331,8 +511,7 @@ def dropped_models_return_their_leases(ctx) -> dict:
             for index in range(4):
                 model, config = _build(Run(mode=mode), ctx.world_size)
                 local, _ = _batch(index, ctx.rank, ctx.world_size, ROWS)
-                ms.value_and_grad(lambda x, m=model: loss_of(m, x), None,
-                                  model.trainable_params())(ms.Tensor(local))
+                gradient_step(model, model.trainable_params(), entry)(ms.Tensor(local))
                 stats = runtime_for(config).pool.stats()
                 checks[f"{mode} model {index}: live leases after its step"] = equal(
                     stats.live_leases, 0)
@@ -343,6 +522,9 @@ def dropped_models_return_their_leases(ctx) -> dict:
     finally:
         gc.enable()
     return checks
+
+
+tied_cases.add_to(suite, MODES)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,12 @@ import mindspore as ms
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import Suite
-from pattern_cases import Run, add_cases
+from pattern_cases import Run, add_cases as add_both_entries, pool_memory_never_leaves_the_pool
+
+
+def add_cases(into, name, run, modes):
+    """value_and_grad only at 4 ranks: torch-style backward runs every case at 1 and 2 ranks."""
+    add_both_entries(into, name, run, modes, entries=("value_and_grad",))
 
 suite = Suite("patterns_4", blocking_launch=True)
 MODES = ("plain", "main_async")
@@ -31,6 +36,9 @@ for mesh, tag in (((), "fsdp4"), ((2, 2), "hsdp")):
               Run(skip_b_on_last_rank_at=(1,), mesh=mesh), ("plain", "main_async"))
     add_cases(suite, f"{tag}_forward_raised_and_reentrant_recompute_refused",
               Run(fail_before=("a", "loss", "reentrant_recompute"), mesh=mesh), ("main_async",))
+
+suite.add("hsdp_pool_memory_never_leaves_the_pool",
+          lambda ctx: pool_memory_never_leaves_the_pool(ctx, mesh=(2, 2)))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ class MemoryProbe:
         self.at_loss: list[list[int]] = []         # resident bytes per unit when the loss is ready
         self.at_backward: list[int] = []           # units resident when a unit's backward starts
         for unit in self.units:
-            unit.on_backward = self._watching(unit, unit.on_backward)
+            unit.steps.on_backward = self._watching(unit, unit.steps.on_backward)
 
     def _resident_units(self) -> int:
         return sum(1 for u in self.units if u.gathered_bytes > 0)

@@ -22,9 +22,12 @@ from typing import Callable, Optional, Union
 from mindspore import nn
 
 from gradpool import (GradPoolConfig, InvalidArgumentError, all_runtimes, check_bool,
-                      default_pool_config, runtime_for)
+                      default_pool_config, device_target, on_real_device,
+                      real_device_target, return_free_host_memory, runtime_for)
 from hyper_parallel.core.device_mesh import DeviceMesh
+from hyper_parallel.core.dtensor.dtensor import as_managed_dtensor
 from hyper_parallel.core.dtensor.placement_types import Shard
+from hyper_parallel.core.dtensor.spec import fully_shard_spec
 from hyper_parallel.core.fully_shard.state_dict import (get_model_state_dict,
                                                         get_optimizer_state_dict,
                                                         set_model_state_dict,
@@ -32,6 +35,7 @@ from hyper_parallel.core.fully_shard.state_dict import (get_model_state_dict,
 from hyper_parallel.core.fully_shard.utils import (CPUOffloadPolicy, MixedPrecisionPolicy,
                                                    OffloadPolicy)
 from hyper_parallel.platform.mindspore.fully_shard.autograd import grad_recorded, in_backward
+from hyper_parallel.platform.mindspore.fully_shard.meta_init import refuse_meta_at_forward
 from hyper_parallel.platform.mindspore.fully_shard.param import MindSporeHSDPParamV2
 from hyper_parallel.platform.mindspore.fully_shard.state import (HSDPUnitState,
                                                                   finish_async_reduces)
@@ -96,7 +100,7 @@ class HSDPModule:
         if not isinstance(value, bool):
             raise InvalidArgumentError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
         for unit in self._hsdp_units():
-            setattr(unit, attribute, value)
+            setattr(unit.settings, attribute, value)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """False: micro-steps accumulate in the unit's pool buckets, no collective runs."""
@@ -136,7 +140,7 @@ class HSDPModule:
             raise InvalidArgumentError(f"gradient scaling factor must be a finite number > 0, got "
                              f"{factor!r}")
         for unit in self._hsdp_units():
-            unit.gradient_scaling_factor = float(factor)
+            unit.settings.gradient_scaling_factor = float(factor)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide each reduced gradient by ``factor`` instead of by the group size (FSDP2's
@@ -213,8 +217,19 @@ class HSDPModule:
         return _Unsharded() if async_op else None
 
     def reshard(self) -> None:
+        """Drop the full parameters ``unshard()`` (or a forward without gradients, e.g. an
+        evaluation pass) left gathered: uninstalled from the cells and their memory released."""
         for unit in self._hsdp_units():
-            unit.uninstall()
+            unit.reshard()
+        if device_target() == "CPU":
+            return_free_host_memory()    # the C allocator keeps freed host pages otherwise
+
+    def to_empty(self, *, device: Optional[str] = None, recurse: bool = True):
+        """Give every parameter and buffer uninitialised memory (``Cell.to_empty``); each
+        ``fully_shard``-managed parameter gets its local shard's, never the full parameter's.
+        ``device`` None: the process's real device, also inside ``ms.DeviceCtx("meta")``
+        (MindSpore 2.10's own ``to_empty()`` keeps a meta tensor on meta)."""
+        return super().to_empty(device=device or real_device_target(), recurse=recurse)
 
 
 def hsdp_sync_stream() -> None:
@@ -280,6 +295,13 @@ def _mesh_comms(mesh: Optional[DeviceMesh], runtime):
     if mesh.ndim == 1:
         return runtime.group_comm(mesh.get_group(0)), None
     return runtime.group_comm(mesh.get_group(1)), runtime.group_comm(mesh.get_group(0))
+
+
+def _world_mesh(runtime) -> DeviceMesh:
+    """The 1-D mesh of every rank: what a unit without a mesh shards over."""
+    from gradpool import device_target
+    target = device_target()
+    return DeviceMesh(target if target in ("CPU", "Ascend") else "cpu", (runtime.comm.world_size,))
 
 
 def _placement_dim(shard_placement_fn: Optional[Callable], param) -> int:
@@ -351,6 +373,17 @@ def fully_shard(module: Union[nn.Cell, list], *, mesh: Optional[DeviceMesh] = No
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
         raise InvalidArgumentError("fully_shard got an empty list of modules")
+    # Called inside ms.DeviceCtx("meta") (mindformers' apply_fsdp always is), the pool, the
+    # communicators, main_grad and the shards of real parameters still go to the real device;
+    # meta parameters get meta shards (meta_init), given memory by to_empty().
+    with on_real_device():
+        return _fully_shard(modules, module, mesh, reshard_after_forward, shard_placement_fn,
+                            mp_policy, offload_policy, ignored_params, replicate_params,
+                            comm_fusion, pool_config)
+
+
+def _fully_shard(modules, module, mesh, reshard_after_forward, shard_placement_fn, mp_policy,
+                 offload_policy, ignored_params, replicate_params, comm_fusion, pool_config):
     config = pool_config if pool_config is not None else default_pool_config()
     _validate(modules, mp_policy, offload_policy, reshard_after_forward, comm_fusion, config)
     runtime = runtime_for(config)     # after validation: a refused call leaves nothing behind
@@ -370,15 +403,21 @@ def fully_shard(module: Union[nn.Cell, list], *, mesh: Optional[DeviceMesh] = No
                 comm=shard_comm,
                 shard_dim=0 if is_replicated else _placement_dim(shard_placement_fn, param),
                 replicate=is_replicated, mp_policy=mp_policy,
-                verify_gradients=config.verify_gradients)
+                verify_gradients=config.verify_gradients,
+                main_grad_in_place=config.main_grad_in_place)
             managed.owners = owners
             claimed.add(id(param))
             params.append((param, managed))
+    layout_mesh = mesh if mesh is not None else _world_mesh(runtime)
     for param, managed in params:
         managed.adopt(param)
+        # The shard (and its main_grad) become DTensors: placements over the unit's mesh.
+        as_managed_dtensor(managed.sharded_param, fully_shard_spec(
+            layout_mesh, managed.orig_shape, managed.shard_dim, managed.replicate))
         for cell, attr in managed.owners:
             cell._params[attr] = managed.sharded_param    # pylint: disable=protected-access
             _guard_reads(cell, attr, managed)
+    refuse_meta_at_forward(modules, [m for _, m in params])     # runs before the unit's hooks
     # A list is one unit, as upstream: one gather and one reduce per step for all its modules.
     unit = HSDPUnitState(modules, [m for _, m in params], reducer, mp_policy,
                          reshard_after_forward,

@@ -15,10 +15,16 @@
   ``value_and_grad`` then records inside the stale graph, which on 2 CPU ranks under blocking
   launch changed a ``fully_shard`` model's loss and gradients (``docs/using-fully-shard.md``,
   "A forward that raised"); MindSpore's own recovery after a failed compile is ``clear_res()``.
+  Under torch-style backward (``autograd_compat.enable_mindspore_backward_compat``) the flag is
+  on between steps by design (``torch_style_recording()``): an open flag then proves nothing,
+  and a discard turns recording back on.
 """
 from __future__ import annotations
 
 from mindspore.graph.api import _pynative_executor
+
+from hyper_parallel.platform.mindspore.autograd_compat import (backward_compat_recording,
+                                                               restore_recording)
 
 NOT_IN_BACKWARD = -1
 
@@ -53,6 +59,21 @@ def grad_graph_open() -> bool:
     return bool(_pynative_executor.grad_flag())
 
 
+def torch_style_recording() -> bool:
+    """Every forward is recorded for a torch-style ``loss.backward()``: the grad flag stays on
+    between steps, whatever happened."""
+    return backward_compat_recording()
+
+
+def resume_recording() -> None:
+    """Under torch-style backward, turn MindSpore's grad flag back on (a ``value_and_grad`` call
+    turns it off when it returns, and so does a backward whose cell hook raised)."""
+    restore_recording()
+
+
 def discard_open_grad_graph() -> None:
-    """Drop PyNative's grad graphs and their state (what MindSpore does after a failed compile)."""
+    """Drop PyNative's grad graphs and their state (what MindSpore does after a failed compile);
+    under torch-style backward, forwards are recorded again afterwards (``clear_res`` turns the
+    grad flag off)."""
     _pynative_executor.clear_res()
+    restore_recording()

@@ -4,13 +4,13 @@ thin views onto its unit's reduce (``HSDPUnitState.reduce``, the unit's one redu
 Upstream's reduce path did ``self._grad = grad.to(reduce_dtype).reshape(-1)`` and, after the
 collective, ``self._grad.untyped_storage().resize_(0)``; with ``reduce_dtype`` equal to the
 gradient's dtype that freed autograd's own gradient. Here the reduce-scatter reads a pool lease
-(or, with zero-copy, borrows the gradient until the collective completes) and
-``reduce_scatter_output()`` only drops references: nothing in this package resizes storage.
+(or, with zero-copy, borrows the gradient until the collective completes) and reading the
+output only drops references: nothing in this package resizes storage.
 
-Lifetime of the reduced shard: ``reduce_scatter_output()`` is a view of a pool output bucket,
-valid until ``clear_reduce_scatter_output()``; what autograd and the optimizer receive
-(``apply_reduced_grad``, ``main_grad``) is memory of their own (pool memory never leaves the
-pool).
+Lifetime of the reduced shard: ``reduced_shard()`` (the unit's own use) is a view of a pool
+output bucket, valid until ``clear_reduce_scatter_output()``; what anyone else receives
+(upstream's ``reduce_scatter_output()``, ``apply_reduced_grad``, ``main_grad``) is memory of
+their own (pool memory never leaves the pool).
 """
 from __future__ import annotations
 
@@ -25,8 +25,11 @@ import numpy as np
 from mindspore import Parameter, mint
 
 from gradpool import (GradientIntegrityError, GradSlot, InvalidArgumentError, ReduceResult,
-                      ReduceScatterLayout, add_in_place, check_reduce_op, pack_bucket,
-                      synchronize, device_target, unpack_gathered, unshard, writable_view)
+                      ReduceScatterLayout, add_in_place, check_in_place_add, check_reduce_op,
+                      pack_bucket, synchronize, device_target, unpack_gathered, unshard,
+                      writable_view)
+from hyper_parallel.platform.mindspore.fully_shard.meta_init import (install_sharded_init, is_meta,
+                                                                      meta_shard)
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +63,7 @@ class MindSporeHSDPParamV2:
 
     def __init__(self, cell, attr_name: str, param: Parameter, *, rank: int, world_size: int,
                  comm, shard_dim: int = 0, replicate: bool = False, mp_policy=None,
-                 verify_gradients: bool = False):
+                 verify_gradients: bool = False, main_grad_in_place: bool = True):
         # Every (cell, attribute) that holds this parameter: tied weights share one shard.
         self.owners: list[tuple[Any, str]] = [(cell, attr_name)]
         self.unit = None
@@ -75,9 +78,10 @@ class MindSporeHSDPParamV2:
         self.reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
         self.use_main_grad = bool(getattr(mp_policy, "apply_grad_on_fp32_main_grad", False))
         self.verify_gradients = verify_gradients
-        # main_grad accumulates in place where the backend's in-place add works (Ascend); on CPU
-        # ``Tensor.add_`` of a plain tensor returns a new one and leaves it unchanged.
-        self._add_in_place = device_target() == "Ascend"
+        # main_grad accumulates in place where the backend's in-place add works (Ascend; checked
+        # once, at the first such add); on CPU ``Tensor.add_`` of a plain tensor returns a new
+        # one and leaves it unchanged.
+        self._add_in_place = main_grad_in_place and device_target() == "Ascend"
         if not replicate and not 0 <= shard_dim < len(self.orig_shape):
             raise InvalidArgumentError(
                 f"parameter {self.name} of shape {self.orig_shape} cannot be sharded on dim "
@@ -100,9 +104,14 @@ class MindSporeHSDPParamV2:
         :meth:`adopt` does, once ``fully_shard`` has planned every parameter.
 
         A lazily initialised parameter (``no_init_parameters()``, an ``initializer(...)``) is
-        never materialised whole: only this rank's shard is drawn (:func:`lazy_shard_values`)."""
+        never materialised whole: only this rank's shard is drawn (:func:`lazy_shard_values`).
+        A parameter on the meta device gets a meta shard (:mod:`.meta_init`): ``to_empty()``
+        gives it memory, its in-place initialisers fill it."""
+        self.built_on_meta = is_meta(param)
         if self.replicate:
             return param.init_data() if is_lazy(param) else param
+        if self.built_on_meta:
+            return meta_shard(param, self.local_shape)
         if is_lazy(param):
             values = lazy_shard_values(param, self.slot, self.rank)
         else:
@@ -119,6 +128,8 @@ class MindSporeHSDPParamV2:
         self.sharded_param.main_grad = self.zero_main_grad()
         self.sharded_param.hsdp_param = self
         original.hsdp_managed_by = self    # so another unit will not shard it again
+        if not self.replicate:
+            install_sharded_init(self)     # normal_() & co. initialise the full parameter
 
     def unsharded(self, local: ms.Tensor) -> ms.Tensor:
         """All-gather ``local`` (this rank's shard) into the full parameter, in ``param_dtype``."""
@@ -186,7 +197,15 @@ class MindSporeHSDPParamV2:
         self._slot = ReduceSlot(result, index)
 
     def reduce_scatter_output(self) -> Optional[ms.Tensor]:
-        """Wait for the collective and return the reduced local shard (a pool bucket view).
+        """Wait for the collective and return the reduced local shard, as a tensor of the
+        caller's own (pool memory never leaves the pool: the output bucket goes back at
+        :meth:`clear_reduce_scatter_output` or the next reduce, and is reused)."""
+        shard = self.reduced_shard()
+        return None if shard is None else owned_copy(shard, shard.dtype)
+
+    def reduced_shard(self) -> Optional[ms.Tensor]:
+        """Wait for the collective and return the reduced local shard as a view of its pool
+        bucket, for the unit's own use before the bucket goes back.
 
         The input was a pool lease, released fenced on the collective at launch and so recycled
         by the pool, or a borrowed gradient whose reference is dropped here. Nothing is freed."""
@@ -243,6 +262,7 @@ class MindSporeHSDPParamV2:
         if main is None:
             self.sharded_param.main_grad = owned_copy(reduced, ms.float32)
         elif self._add_in_place:
+            check_in_place_add()
             main.add_(addend)
         elif not add_in_place(main, addend):
             self.sharded_param.main_grad = mint.add(main, addend)
@@ -255,10 +275,12 @@ class MindSporeHSDPParamV2:
             self._grad = None
 
     def zero_grad(self) -> None:
-        """Drop the gradient; ``main_grad`` becomes zeros (main_grad mode), so a unit that does
+        """Drop the gradient, and the shard's torch-style ``grad`` (``loss.backward()``
+        accumulates there); ``main_grad`` becomes zeros (main_grad mode), so a unit that does
         not run in a step still gives the optimizer a gradient."""
         self.clear_reduce_scatter_output()
         self._grad = None
+        self.sharded_param._grad = None
         self.sharded_param.main_grad = self.zero_main_grad()
 
     def zero_main_grad(self) -> Optional[ms.Tensor]:

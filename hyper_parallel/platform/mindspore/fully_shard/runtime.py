@@ -7,7 +7,10 @@
   implicit backward prefetch follows (FSDP2 does the same: the reverse of the post-forward
   order);
 * whether parameters were replaced by their shards since the last forward: their memory is
-  freed before the next forward starts (:meth:`FullyShardRuntime.free_replaced_parameters`).
+  freed before the next forward starts (:meth:`FullyShardRuntime.free_replaced_parameters`);
+* whether a failure path ran since the last step boundary: under torch-style backward that,
+  not MindSpore's grad flag, tells an abandoned grad graph from the recording every forward
+  gets (:meth:`FullyShardRuntime.close_abandoned_grad_graph`).
 """
 from __future__ import annotations
 
@@ -24,7 +27,9 @@ from hyper_parallel.platform.mindspore.fully_shard.autograd import (backward_eng
                                                                      discard_open_grad_graph,
                                                                      grad_graph_open,
                                                                      in_backward,
-                                                                     queue_end_of_backward)
+                                                                     queue_end_of_backward,
+                                                                     resume_recording,
+                                                                     torch_style_recording)
 from hyper_parallel.platform.mindspore.fully_shard.order import UNIT_SLOTS, UnitOrderCheck
 from hyper_parallel.platform.mindspore.fully_shard.recompute import non_reentrant_recompute
 
@@ -44,6 +49,8 @@ class FullyShardRuntime:
         self.backward_units: dict = {}             # id -> unit: units that ran in that pass
         self.registered = 0                        # units ever registered: the next one's index
         self.order_check: Optional[UnitOrderCheck] = None   # made by the first unit using it
+        self.failure_seen = False                  # a forward or backward raised since the last
+        #                                            step boundary (close_abandoned_grad_graph)
 
     # -- registry ---------------------------------------------------------------------------------
     def register(self, unit) -> None:
@@ -137,6 +144,7 @@ class FullyShardRuntime:
         may hold a prefetch that backward launched, or its backward's gathered parameters)."""
         if self.backward_pass is None or in_backward():
             return
+        self.failure_seen = True
         logger.warning("fully_shard: the last backward raised before its end; every unit's "
                        "gathered parameters and per-step state are reset")
         self.backward_pass, self.backward_units = None, {}
@@ -146,24 +154,42 @@ class FullyShardRuntime:
         """Every gradient of the pass is computed. Unless a unit that ran is told more
         micro-batches follow (``set_is_last_backward(False)``), the asynchronous reduces land in
         ``main_grad`` and prefetched gathers no backward used are given back; then every unit
-        is settled (its gathered memory released, its per-step state at rest)."""
+        is settled (its gathered memory released, its per-step state at rest), and no
+        parameter's torch-style ``grad`` holds the shared zeros."""
         units = list(self.backward_units.values())
         self.backward_pass, self.backward_units = None, {}
-        last = all(unit.is_last_backward for unit in units)
+        last = all(unit.settings.is_last_backward for unit in units)
         try:
             if last:
                 self.abandon_prefetches()
                 self.finish_async_reduces()
         finally:
+            self._drop_shared_zeros_from_grads(units)
             for unit in self.live_units():
                 unit.settle_backward()
             if last:
                 for pool in {id(u.reducer.pool): u.reducer.pool for u in units}.values():
                     pool.wait_all()
 
+    def _drop_shared_zeros_from_grads(self, units) -> None:
+        """A torch-style backward (``run_backward`` accumulating into each leaf's ``grad``) stores
+        what a unit hands autograd as the shard's ``grad``. Where the gradient went elsewhere
+        that is zeros: always in main_grad mode (the gradient is in ``main_grad``), and the
+        shared zeros of a micro-step without sync (it is in the unit's buckets). Such a
+        ``grad`` becomes None, as in upstream and FSDP2, and no later accumulation adds into
+        the shared zeros' memory (in place, on a device that accumulates so)."""
+        shared = {zeros.data_ptr() for zeros in self.zeros.values()}
+        for unit in units:
+            for param in unit.params:
+                accumulated = param.sharded_param._grad
+                if accumulated is not None and (param.use_main_grad
+                                                or accumulated.data_ptr() in shared):
+                    param.sharded_param._grad = None
+
     def reset_after_failed_forward(self, cell) -> None:
         """A forward raised inside a unit's module (caught by the caller, step skipped): every
         unit back to rest, so the next step and every later model start clean."""
+        self.failure_seen = True
         logger.warning("fully_shard: the forward of %s raised; every unit's gathered parameters "
                        "and per-step state are reset", type(cell).__name__)
         self._reset_every_unit()
@@ -178,11 +204,28 @@ class FullyShardRuntime:
         """Between steps (``zero_grad``), a grad graph still open is one an exception left behind
         inside ``value_and_grad`` (see :mod:`.autograd`): no unit is in a forward or backward and
         autograd runs no backward, yet MindSpore records. It is discarded, so the next step
-        records a graph of its own. True when one was."""
+        records a graph of its own. True when one was.
+
+        Under torch-style backward MindSpore records every forward, so the flag is open after a
+        completed ``loss.backward()`` too: a graph is taken as abandoned only on evidence, a
+        failure path of this runtime that ran since the last step boundary, or a recorded use of
+        a unit whose backward never ran (an exception after the model, in the loss); recording
+        goes on after the discard, and after MindSpore turned it off on its own."""
         self.recover_from_failed_backward()
-        if in_backward() or not grad_graph_open():
+        if in_backward():
             return False
-        if any(unit.in_forward or unit.in_backward_use for unit in self.live_units()):
+        if not grad_graph_open():
+            # nothing open; under torch-style backward MindSpore turned recording off itself
+            # (a backward whose cell hook raised, a value_and_grad call): on again
+            self.failure_seen = False
+            resume_recording()
+            return False
+        units = self.live_units()
+        if any(unit.in_forward or unit.in_backward_use for unit in units):
+            return False
+        failed, self.failure_seen = self.failure_seen, False
+        if torch_style_recording() and not failed \
+                and not any(unit.uses_awaiting_backward for unit in units):
             return False
         logger.warning("fully_shard: a gradient computation that raised left MindSpore's grad "
                        "graph open; it is discarded before the next step")
@@ -209,7 +252,8 @@ class FullyShardRuntime:
         """MindSpore's reentrant recompute (``Cell.recompute()``'s default) re-runs a cell under
         a nested grad that differentiates only the cell's own Parameters, so the gathered
         parameters a unit installs would get no gradient: such a cell inside a unit is switched
-        to MindSpore's non-reentrant recompute (same activations recomputed), once, logged."""
+        to MindSpore's non-reentrant recompute (same activations recomputed), logged; checked at
+        every forward use, since `Cell.recompute()` may be called at any time."""
         for module in unit.modules:
             for _, cell in module.cells_and_names():
                 non_reentrant_recompute(cell)

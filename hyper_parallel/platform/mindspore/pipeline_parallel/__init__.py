@@ -1,0 +1,1 @@
+"""MindSpore pipeline parallelism (not provided: see :mod:`._utils`)."""
