@@ -24,8 +24,9 @@ if TYPE_CHECKING:
     from gradpool.dtypes import (DTYPE_NAMES, SUPPORTED_DTYPES, check_dtype, dtype_named,
                                  itemsize, nan_fill, overwrite, writable_view)
     from gradpool.errors import (ArgumentTypeError, BackwardNotRecordedError, CheckpointError,
-                                 CommError, FeatureNotProvidedError, ForeignLeaseError,
-                                 GradientIntegrityError, GradPoolError, InPlaceOpError,
+                                 CollectiveError, CommError, FeatureNotProvidedError,
+                                 ForeignLeaseError, GradientIntegrityError, GradPoolError,
+                                 InPlaceOpError,
                                  InvalidArgumentError, InvalidFenceError, LayoutMismatchError,
                                  LeaseStateError, MeshGroupError, MetaDeviceError,
                                  NonFiniteNormError, PoolCapacityError,

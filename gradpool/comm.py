@@ -100,16 +100,16 @@ class _WrappedHandle(CommHandle):
             raise self._error
 
     def is_completed(self) -> bool:
-        if self._done:
-            return True
-        native = getattr(self._handle, "is_completed", None)
-        if callable(native) and native():
-            try:
-                self.wait()     # already done: does not block, only runs ``after``
-            except CommError:
-                pass            # completed all the same; wait() raises it to the owner
-            return True
-        return False
+        """False while running; True once done; a collective that failed raises its
+        :class:`CommError` here too (a pool must not recycle a failed collective's bucket)."""
+        if not self._done:
+            native = getattr(self._handle, "is_completed", None)
+            if not (callable(native) and native()):
+                return False
+            self.wait()     # already done: does not block, only runs ``after`` (or raises)
+        if self._error is not None:
+            raise self._error
+        return True
 
 
 # -- helpers -----------------------------------------------------------------------------------

@@ -43,6 +43,18 @@ class CommError(GradPoolError, RuntimeError):
     """A collective failed, or was called with buffers of the wrong size or dtype."""
 
 
+class CollectiveError(CommError):
+    """An asynchronous collective failed: its handle's ``wait()`` or ``is_completed()`` raised.
+    The message names the collective (kind, dtype, sizes, group); ``collective`` holds that name
+    and ``__cause__`` the handle's own error. The pool quarantines the buckets it read or wrote:
+    see ``PoolStats.quarantined_buckets``."""
+
+    def __init__(self, collective: str, cause: BaseException):
+        super().__init__(f"{collective} failed: {type(cause).__name__}: {cause} (its pool "
+                         "buckets are quarantined)")
+        self.collective = collective
+
+
 class GradientIntegrityError(GradPoolError, RuntimeError):
     """A gradient handed to the reduce path was changed or freed before the path was done."""
 

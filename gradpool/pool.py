@@ -7,7 +7,10 @@ makes one, so the pool can never free a tensor it did not allocate. Recycling fr
 buckets (no live lease, no pending fence).
 
 Lifetime: ``acquire`` -> ``Lease`` -> ``lease.release(fence)`` -> *fenced* until the fence
-completes (:meth:`Lease.release`) -> poisoned with NaN if asked -> *free*. ``acquire`` reuses the
+completes (:meth:`Lease.release`) -> poisoned with NaN if asked -> *free*. A fence whose
+``wait()`` or ``is_completed()`` raises never completes: its bucket is *quarantined* (the device
+may still be writing it), never leased again, and freed by :meth:`BucketPool.trim` only after a
+device-wide synchronize. ``acquire`` reuses the
 free bucket :func:`gradpool.reuse.choose` picks; with none large enough it allocates, unless that
 would pass ``max_cached_bytes``: then it waits for a fenced bucket that fits, else evicts idle
 buckets, else raises :class:`PoolCapacityError` (leaving the pool as it was).
@@ -31,7 +34,7 @@ import mindspore as ms
 from mindspore import mint
 
 from gradpool.device import (SUPPORTED_DEVICES, device_memory_bytes, on_real_device,
-                             real_device_target)
+                             real_device_target, synchronize)
 from gradpool.dtypes import check_dtype, is_supported_singleton, itemsize, nan_fill, writable_view
 from gradpool.errors import (ForeignLeaseError, InvalidArgumentError, InvalidFenceError,
                              LeaseStateError, PoolCapacityError, check_bool, check_int)
@@ -43,6 +46,7 @@ logger = logging.getLogger(__name__)
 _pool_ids = itertools.count(1)
 MAX_ALIGNMENT_BYTES = 2 ** 20    # chunk alignment beyond 1 MiB would be padding, not alignment
 _FREE, _FENCED, _LEASED = FREE, "fenced", "leased"     # FREE: the state gradpool.reuse reuses
+_QUARANTINED = "quarantined"     # its fence failed: never leased again, freed after a synchronize
 _CHECKED_REQUESTS = 4096     # distinct requests remembered by _checked_capacity
 
 
@@ -91,13 +95,9 @@ def as_fence(handle) -> Optional[Fence]:
 
 
 def fence_done(fence: Fence) -> bool:
-    """``fence.is_completed()``; a fence whose ``is_completed()`` raises counts as completed (a
-    broken handle reads nothing any more), and the error goes to whoever waits on it."""
-    try:
-        return bool(fence.is_completed())
-    except Exception as exc:  # noqa: BLE001
-        logger.warning("fence %r raised in is_completed(), treated as completed: %s", fence, exc)
-        return True
+    """``fence.is_completed()`` as a bool. A fence whose ``is_completed()`` raises is not
+    completed: the error propagates (the pool quarantines the bucket behind such a fence)."""
+    return bool(fence.is_completed())
 
 
 @dataclass
@@ -117,6 +117,9 @@ class PoolStats:
     stalls: int = 0
     padding_bytes: int = 0
     trimmed_bytes: int = 0
+    quarantined_buckets: int = 0    # held now: their fence failed, the device may still write
+    quarantined_bytes: int = 0
+    failed_fences: int = 0          # fences that raised, since the pool was made
 
     @property
     def copy_gbps(self) -> float:
@@ -134,6 +137,7 @@ class _Bucket:
     fence: Optional[Fence] = None
     fenced_order: int = 0     # FIFO position among fenced buckets (waits go oldest first)
     lease: Optional["Lease"] = None
+    failure: Optional[str] = None     # why it is quarantined: what its fence raised
 
     @property
     def nbytes(self) -> int:
@@ -193,7 +197,8 @@ class Lease:
 
     def release(self, fence: Optional[Fence] = None) -> None:
         """Give the bucket back, leased again only once ``fence`` (the collective's handle, or
-        None: at once) has completed: ``is_completed()`` true or raising, or waited on by the pool.
+        None: at once) has completed: ``is_completed()`` true, or waited on by the pool. A fence
+        whose ``is_completed()`` or ``wait()`` raises quarantines the bucket (never leased again).
         With ``wait()`` only (MindSpore 2.10's ``CommHandle``) it is in flight until waited on
         through the pool (``acquire`` at the in-flight bound, ``wait_all()``) or the reducer's
         result. Anything else: :class:`InvalidFenceError`, and the lease stays live."""
@@ -312,7 +317,11 @@ class BucketPool:
             if bucket.lease is not lease:
                 lease._released = True      # its acquire was interrupted before it committed
                 return
-            done = fence is None or fence_done(fence)
+            failure = None
+            try:
+                done = fence is None or fence_done(fence)
+            except Exception as exc:  # noqa: BLE001 - a broken handle: quarantined below
+                done, failure = False, exc
             if done and self.poison_on_release:
                 self._poison(bucket)
             order = next(self._fence_order)
@@ -321,21 +330,28 @@ class BucketPool:
             bucket.lease = None
             bucket.fence = None if done else fence
             bucket.fenced_order = order
-            bucket.state = _FREE if done else _FENCED
+            if failure is not None:
+                self._quarantine(bucket, "is_completed()", failure)
+            else:
+                bucket.state = _FREE if done else _FENCED
 
     def trim(self) -> int:
-        """Release the storage of idle buckets; the bytes freed (0 off the pool's thread)."""
+        """Release the storage of idle buckets, and of quarantined ones once a device-wide
+        synchronize has proved them idle; the bytes freed (0 off the pool's thread)."""
         if threading.get_ident() != self._owner:
             return 0
         with self._lock:
             self._reap()
             freed = sum(self._drop(bucket) for bucket in self._in(_FREE))
+            freed += self._free_quarantined()
         if freed:
             logger.debug("trimmed %d bytes", freed)
         return freed
 
     def wait_all(self) -> None:
-        """Wait for every pending fence and recycle its bucket (only real waits count as stalls)."""
+        """Wait for every pending fence and recycle its bucket (only real waits count as stalls);
+        a fence whose wait raises quarantines its bucket (the error is its collective's owner's
+        to raise, through the result it waits on)."""
         with self._lock:
             self._reap()
             for bucket in sorted(self._in(_FENCED), key=lambda b: b.fenced_order):
@@ -346,11 +362,14 @@ class BucketPool:
         with self._lock:
             self._reap()
             reserved = sum(b.nbytes for b in self._buckets)
+            quarantined = self._in(_QUARANTINED)
             return replace(self._stats, bytes_reserved=reserved,
                            high_water_bytes=max(self._high_water, reserved),
                            live_leases=len(self._in(_LEASED)),
                            fenced_buckets=len(self._in(_FENCED)),
-                           free_buckets=len(self._in(_FREE)))
+                           free_buckets=len(self._in(_FREE)),
+                           quarantined_buckets=len(quarantined),
+                           quarantined_bytes=sum(b.nbytes for b in quarantined))
 
     def record_copy(self, nbytes: int, seconds: float, padding_bytes: int) -> None:
         """Account ``nbytes`` written into this pool's buckets (the reducer calls it per pack)."""
@@ -439,8 +458,9 @@ class BucketPool:
             fits = [b for b in self._in(_FENCED, dtype) if b.capacity >= numel]
             if fits:
                 bucket = min(fits, key=lambda b: b.capacity)
-                self._wait_for(bucket)
-                return bucket
+                if self._wait_for(bucket):
+                    return bucket
+                return self._grow(numel, dtype, capacity)   # it failed: quarantined, try again
             idle = sum(b.nbytes for b in self._in(_FREE))
             # Refuse before evicting anything, so a refused acquire leaves the pool as it was.
             self._check_cap(nbytes - idle, what)
@@ -464,26 +484,60 @@ class BucketPool:
         _release_storage(bucket)
         return bucket.nbytes
 
-    def _wait_for(self, bucket: _Bucket) -> None:
-        """Block on ``bucket``'s fence (a stall), then recycle it."""
+    def _wait_for(self, bucket: _Bucket) -> bool:
+        """Block on ``bucket``'s fence (a stall), then recycle it: True. A fence whose wait()
+        raised quarantines the bucket: False (the collective's owner raises the error when it
+        waits for its result; a failed collective may still be writing, so no reuse)."""
         start = time.perf_counter()
         try:
             bucket.fence.wait()
-        except Exception as exc:  # noqa: BLE001
-            # A fence whose wait() raised is over all the same: the bucket is reusable, and the
-            # error belongs to whoever waits on that handle for its result, not to this acquire.
-            logger.warning("fence of a %s bucket failed while the pool waited on it: %s",
-                           bucket.dtype, exc)
-        self._stats.stall_seconds += time.perf_counter() - start
-        self._stats.stalls += 1
+            failure = None
+        except Exception as exc:  # noqa: BLE001 - quarantined below
+            failure = exc
+        finally:
+            self._stats.stall_seconds += time.perf_counter() - start
+            self._stats.stalls += 1
+        if failure is not None:
+            self._quarantine(bucket, "wait()", failure)
+            return False
         self._recycle(bucket)
+        return True
 
     def _reap(self) -> None:
         if threading.get_ident() != self._owner:
             return          # recycled by the owner thread (its next acquire, stats or wait)
         for bucket in self._buckets:        # no list built: this runs on every acquire
-            if bucket.state == _FENCED and fence_done(bucket.fence):
+            if bucket.state != _FENCED:
+                continue
+            try:
+                done = fence_done(bucket.fence)
+            except Exception as exc:  # noqa: BLE001 - quarantined, not recycled
+                self._quarantine(bucket, "is_completed()", exc)
+                continue
+            if done:
                 self._recycle(bucket)
+
+    def _quarantine(self, bucket: _Bucket, call: str, exc: BaseException) -> None:
+        """``bucket``'s fence raised in ``call``: the collective behind it failed, and the device
+        may still write into the bucket. It keeps its fence (and what the fence holds alive), is
+        never leased again, and is freed only by :meth:`_free_quarantined`."""
+        bucket.failure = f"{call} raised {type(exc).__name__}: {exc}"
+        bucket.state = _QUARANTINED
+        self._stats.failed_fences += 1
+        logger.warning("a %d-byte %s bucket is quarantined (never reused; trim() frees it after "
+                       "a device synchronize): its fence %s", bucket.nbytes, bucket.dtype,
+                       bucket.failure)
+
+    def _free_quarantined(self) -> int:
+        """Free every quarantined bucket after a device-wide synchronize has shown nothing still
+        runs that could write into it (a synchronize that raises frees nothing); the bytes."""
+        quarantined = self._in(_QUARANTINED)
+        if not quarantined:
+            return 0
+        synchronize()
+        for bucket in quarantined:
+            bucket.fence = None
+        return sum(self._drop(bucket) for bucket in quarantined)
 
     def _recycle(self, bucket: _Bucket) -> None:
         self._poison(bucket)

@@ -14,6 +14,10 @@ returns (released earlier, the pool holds it with the fence); it is never freed.
 bucket, which the shard views from ``wait()`` are views of, stays leased until
 ``result.release()``, the caller's job (hyper_parallel's param module, once the shard gradient
 is consumed).
+
+A collective that fails (its handle's ``wait()`` or ``is_completed()`` raises) is raised from
+``result.wait()`` as :class:`~gradpool.errors.CollectiveError` naming it, and the pool
+quarantines its input and output buckets: a failed collective may still be writing them.
 """
 from __future__ import annotations
 
@@ -28,8 +32,8 @@ from gradpool import pack as packing
 from gradpool.comm import CommHandle, Communicator, check_reduce_op
 from gradpool.device import synchronize
 from gradpool.dtypes import check_dtype, itemsize
-from gradpool.errors import (InvalidArgumentError, LayoutMismatchError, LeaseStateError,
-                             check_bool, check_positive_number)
+from gradpool.errors import (CollectiveError, InvalidArgumentError, LayoutMismatchError,
+                             LeaseStateError, check_bool, check_positive_number)
 from gradpool.layout import ReduceScatterLayout, fusion_groups
 from gradpool.pool import BucketPool, Lease, as_fence, fence_done
 from gradpool.writers import writer_for
@@ -137,10 +141,19 @@ class ReduceResult:
             self._released = all(item.output.released for item in self.launched)
 
 
+def _finished(handle) -> bool:
+    """True when ``handle`` completed cleanly; False while pending or failed (a failed one is
+    handed to the pool, which quarantines the bucket it fences)."""
+    try:
+        return fence_done(handle)
+    except Exception:  # noqa: BLE001 - the pool sees the same failure and quarantines
+        return False
+
+
 def _release_output(item: _Launched) -> None:
     if item.output.released:
         return
-    fence = None if fence_done(item.handle) else item.handle
+    fence = None if _finished(item.handle) else item.handle
     if fence is not None and item.bucket.borrowed is not None:
         # Released before its collective completed: the borrow must outlive the collective
         # still reading the caller's gradient, so the pool holds it with the fence.
@@ -164,20 +177,70 @@ class _Chain:
 
 
 class _AllOf:
-    """Done when every one of ``handles`` is (a fence for a bucket one of them may read)."""
+    """Done when every one of ``handles`` is (a fence for a bucket one of them may read); any
+    one failing fails it (the bucket may be the failed collective's input)."""
 
     def __init__(self, handles: list):
         self._handles = handles
 
     def wait(self) -> None:
+        failure = None
         for handle in self._handles:
             try:
                 handle.wait()
-            except Exception:  # noqa: BLE001 - its owner sees the error when it waits
-                pass
+            except Exception as exc:  # noqa: BLE001 - the rest are waited for first
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def is_completed(self) -> bool:
         return all(fence_done(handle) for handle in self._handles)
+
+
+class _Collective:
+    """A launched collective's handle with the collective's name. Its first failure (``wait()`` or
+    ``is_completed()`` raising) is kept and raised by every later call as
+    :class:`CollectiveError`: the pool, which quarantines the buckets it fences, and the result's
+    owner, who raises it to the training step, see the same failure whichever looks first (a
+    handle may raise only once, or report completed after its wait raised)."""
+
+    __slots__ = ("_handle", "name", "_error")
+
+    def __init__(self, handle, name: str):
+        self._handle = as_fence(handle)
+        self.name = name
+        self._error: Optional[CollectiveError] = None
+
+    def wait(self) -> None:
+        if self._error is None:
+            try:
+                self._handle.wait()
+                return
+            except Exception as exc:  # noqa: BLE001 - kept, raised typed on every call
+                self._fail(exc)
+        raise self._error
+
+    def is_completed(self) -> bool:
+        if self._error is None:
+            try:
+                return bool(self._handle.is_completed())
+            except Exception as exc:  # noqa: BLE001 - kept, raised typed on every call
+                self._fail(exc)
+        raise self._error
+
+    def _fail(self, exc: Exception) -> None:
+        self._error = exc if isinstance(exc, CollectiveError) else CollectiveError(self.name, exc)
+        if self._error is not exc:
+            self._error.__cause__ = exc
+
+    def __repr__(self) -> str:
+        return f"_Collective({self.name!r}, {self._handle!r})"
+
+
+def _describe(kind: str, bucket: "PackedBucket", numel: int, comm: Communicator) -> str:
+    """The collective's name in errors: what it reduced, in which dtype, over how many ranks."""
+    return (f"{kind} of {len(bucket.indices)} gradient(s) {bucket.indices[:8]} "
+            f"({numel} x {bucket.dtype}) over {comm.world_size} rank(s) (rank {comm.rank})")
 
 
 class _BorrowFence:
@@ -391,15 +454,18 @@ class GradReducer:
         """Start ``bucket``'s collective (over ``comm``, default the shard group), recorded in
         ``result`` at once so that whatever stops the caller knows it is in flight."""
         comm = comm if comm is not None else self.comm
+        numel = bucket.layout.total_numel
         if all_reduce:
-            handle = as_fence(comm.all_reduce(bucket.lease.tensor, op=op, async_op=True))
+            handle = _Collective(comm.all_reduce(bucket.lease.tensor, op=op, async_op=True),
+                                 _describe("all_reduce", bucket, numel, comm))
             # the bucket is reduced in place: it is its own output
             result.launched.append(_Launched(bucket, bucket.lease, handle))
             output = bucket.lease
         else:
             output = self.pool.acquire(bucket.layout.row_numel, bucket.dtype, holder=taken)
-            handle = as_fence(comm.reduce_scatter(output.tensor, bucket.input_tensor,
-                                                  op=op, async_op=True))
+            handle = _Collective(comm.reduce_scatter(output.tensor, bucket.input_tensor,
+                                                     op=op, async_op=True),
+                                 _describe("reduce_scatter", bucket, numel, comm))
             result.launched.append(_Launched(bucket, output, handle))
             if bucket.lease is not None:
                 bucket.lease.release(handle)     # recycled only once the collective completed
@@ -408,8 +474,9 @@ class GradReducer:
             # the first collective wrote, so it is ordered after it (on Ascend a stream wait).
             first = result.launched[-1]
             first.handle.wait()
-            second = as_fence(self.replicate_comm.all_reduce(output.tensor, op=op,
-                                                             async_op=True))
+            second = _Collective(
+                self.replicate_comm.all_reduce(output.tensor, op=op, async_op=True),
+                _describe("replica all_reduce", bucket, output.numel, self.replicate_comm))
             first.handle = _Chain(first.handle, second)
 
     def _copy_in(self, write, lease: Lease, grads, layout: ReduceScatterLayout) -> None:

@@ -104,25 +104,46 @@ class _Wrapper(Communicator):
         return self.inner.world_size
 
 
+class _BrokenHandle(CommHandle):
+    """A handle whose ``is_completed()`` raises ``error`` (its communicator broke); ``wait()``
+    runs the collective, then raises it too."""
+
+    def __init__(self, inner: CommHandle, error: BaseException):
+        self._inner = inner
+        self._error = error
+
+    def wait(self) -> None:
+        self._inner.wait()
+        raise self._error
+
+    def is_completed(self) -> bool:
+        raise self._error
+
+
 class FaultInjectingCommunicator(_Wrapper):
     """A handle completes ``delay_seconds`` after launch (``wait()`` blocks until then); with
     ``fail_wait`` (an exception, or True: a :class:`CommError`) ``wait()`` raises it, the handle
-    completed all the same. ``read_input_at``: see the module docstring. ``launches`` counts the
-    collectives launched, ``launch_counts`` per name."""
+    completed all the same. With ``fail_is_completed`` (the same kinds) the handle is broken:
+    ``is_completed()`` raises it from launch on, and ``wait()`` after running the collective.
+    ``read_input_at``: see the module docstring. ``launches`` counts the collectives launched,
+    ``launch_counts`` per name."""
 
     def __init__(self, inner: Communicator, delay_seconds: float = 0.0,
                  fail_wait: Union[BaseException, bool, None] = None,
-                 read_input_at: str = "launch"):
+                 read_input_at: str = "launch",
+                 fail_is_completed: Union[BaseException, bool, None] = None):
         _check_seconds("delay_seconds", delay_seconds)
-        if not (fail_wait is None or isinstance(fail_wait, (bool, BaseException))):
-            raise InvalidArgumentError(
-                f"fail_wait must be an exception instance, True or None, got {fail_wait!r}")
+        for name, value in (("fail_wait", fail_wait), ("fail_is_completed", fail_is_completed)):
+            if not (value is None or isinstance(value, (bool, BaseException))):
+                raise InvalidArgumentError(
+                    f"{name} must be an exception instance, True or None, got {value!r}")
         if read_input_at not in READ_INPUT_AT:
             raise InvalidArgumentError(
                 f"read_input_at must be one of {READ_INPUT_AT}, got {read_input_at!r}")
         self.inner = inner
         self.delay_seconds = float(delay_seconds)
         self.fail_wait = fail_wait
+        self.fail_is_completed = fail_is_completed
         self.read_input_at = read_input_at
         self.launch_counts: collections.Counter = collections.Counter()
         self.launch_log: list[str] = []     # every collective's name, in launch order
@@ -147,17 +168,23 @@ class FaultInjectingCommunicator(_Wrapper):
         self.launch_log.append(name)
         error = self._error_for(name)
         if self.read_input_at == "wait" and async_op:
-            return _DeferredHandle(lambda: collective(*args), time.monotonic() + self.delay_seconds,
-                                   error)
-        inner = collective(*args)
-        # the delay counts from the collective's return, however long a loaded machine took
-        return _DelayedHandle(inner, time.monotonic() + self.delay_seconds, error)
+            handle = _DeferredHandle(lambda: collective(*args),
+                                     time.monotonic() + self.delay_seconds, error)
+        else:
+            inner = collective(*args)
+            # the delay counts from the collective's return, however long a loaded machine took
+            handle = _DelayedHandle(inner, time.monotonic() + self.delay_seconds, error)
+        broken = self._injected(self.fail_is_completed, name, "fail_is_completed")
+        return handle if broken is None else _BrokenHandle(handle, broken)
 
     def _error_for(self, name: str) -> Optional[BaseException]:
-        if self.fail_wait is True:
+        return self._injected(self.fail_wait, name, "fail_wait")
+
+    def _injected(self, setting, name: str, option: str) -> Optional[BaseException]:
+        if setting is True:
             return CommError(f"injected failure of {name} launch #{self.launch_counts[name]} "
-                             "(FaultInjectingCommunicator(fail_wait=True))")
-        return self.fail_wait if isinstance(self.fail_wait, BaseException) else None
+                             f"(FaultInjectingCommunicator({option}=True))")
+        return setting if isinstance(setting, BaseException) else None
 
 
 class LatencyCommunicator(_Wrapper):

@@ -26,7 +26,29 @@ def assert_consistent(pool, held=0):
     assert stats.bytes_reserved == real_bytes(pool)
     assert stats.high_water_bytes >= stats.bytes_reserved
     assert stats.live_leases == held
-    assert stats.live_leases + stats.fenced_buckets + stats.free_buckets == len(pool._buckets)
+    assert stats.live_leases + stats.fenced_buckets + stats.free_buckets \
+        + stats.quarantined_buckets == len(pool._buckets)
+
+
+class QuarantineWatch:
+    """Remembers every bucket record the pool ever quarantined (white-box: the promise under
+    test) and checks that none of them came back: each is still quarantined, its memory held,
+    until a trim() on the pool's thread stops tracking it (after a device synchronize: the
+    tests that patch the synchronize check that order)."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.seen: list = []
+
+    def check(self):
+        for bucket in self.pool._buckets:
+            if bucket.state == "quarantined" and all(bucket is not b for b in self.seen):
+                self.seen.append(bucket)
+        for bucket in self.seen:
+            if any(bucket is b for b in self.pool._buckets):
+                assert bucket.state == "quarantined" and bucket.lease is None, bucket
+                assert bucket.tensor.untyped_storage().size() == bucket.nbytes, bucket
+        return len(self.seen)
 
 
 def assert_reduces_correctly(reducer, seed=99):

@@ -19,7 +19,7 @@ from gradpool import runtime as runtime_module
 from gradpool.app.config import from_dict
 from gradpool.app.model import TinyDeepSeekV3, make_batch, next_token_loss
 from gradpool.app.train import build_sharded_model, train_sharded
-from gradpool.errors import CommError, InvalidArgumentError
+from gradpool.errors import CollectiveError, CommError, InvalidArgumentError
 from gradpool.runtime import runtime_for
 from gradpool.testing import FaultInjectingCommunicator
 from hyper_parallel import hsdp_sync_stream
@@ -154,18 +154,26 @@ def test_a_failed_collective_reaches_value_and_grad_and_the_next_step_works(comm
     pool = runtime_for(cfg.gradpool).pool
     grad_fn = _grad_fn(model)
     batch = make_batch(cfg.model, 0, seed=cfg.train.seed)
-    with pytest.raises(CommError, match=f"launch #{failing}"):
+    with pytest.raises(CollectiveError, match=f"launch #{failing}") as info:
         grad_fn(batch)
+    assert info.value.collective.startswith("reduce_scatter of ")      # named, typed
     assert made[0].launch_counts["reduce_scatter"] > failing     # it failed amid the others
     assert not RUNTIME.in_flight
-    assert pool.stats().live_leases == 0
+    stats = pool.stats()
+    # the failed collective's input and output buckets: quarantined, never leased again
+    assert (stats.live_leases, stats.quarantined_buckets, stats.failed_fences) == (0, 2, 2)
+    quarantined = [b for b in pool._buckets if b.state == "quarantined"]
     model.zero_grad()
     grad_fn(batch)                        # later launches do not fail
     for param, want in zip(model.trainable_params(), _reference_grads(cfg)):
         np.testing.assert_array_equal(param.main_grad.asnumpy(), want, err_msg=param.name)
     hsdp_sync_stream()
     stats = pool.stats()
-    assert (stats.live_leases, stats.fenced_buckets) == (0, 0)
+    assert (stats.live_leases, stats.fenced_buckets, stats.quarantined_buckets) == (0, 0, 2)
+    assert all(b.state == "quarantined" and b.lease is None for b in quarantined)
+    pool.trim()                           # after a synchronize: freed
+    assert pool.stats().quarantined_buckets == 0
+    assert all(b.tensor.untyped_storage().size() == 0 for b in quarantined)
 
 
 def test_reduces_left_in_flight_land_once(comms):

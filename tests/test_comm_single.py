@@ -251,7 +251,8 @@ def test_wrapped_handle_reraises_failure_as_comm_error():
     for _ in range(2):
         with pytest.raises(CommError, match="reduce_scatter on rank 3 failed.*HCCL error 7"):
             handle.wait()
-    assert handle.is_completed()
+    with pytest.raises(CommError, match="HCCL error 7"):
+        handle.is_completed()      # a failed collective never reads as completed
 
 
 class FakeDist:

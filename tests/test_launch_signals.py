@@ -63,8 +63,10 @@ def _committed(save_dir: Path) -> dict[str, float]:
                                     signal.SIGKILL], ids=lambda s: signal.Signals(s).name)
 def test_a_signal_to_the_launcher_ends_every_process_of_the_run(tmp_path, signum):
     save_dir, log_dir = tmp_path / "ckpt", tmp_path / "logs"
+    # stop_save_grace_s 0: a save in progress when the signal lands is not waited for (saving
+    # every step, one nearly always is); the grace is tested in tests/test_kill_during_save.py
     sets = [*SMALL, "train.steps=200", "train.save_every=1", f"train.save_dir={save_dir}",
-            f"launch.log_dir={log_dir}"]
+            f"launch.log_dir={log_dir}", "train.stop_save_grace_s=0"]
     # its own session, like a job started from a shell: the signal reaches the launcher alone
     launcher = subprocess.Popen(
         [sys.executable, "-m", "gradpool", "train", "--config", str(TINY),

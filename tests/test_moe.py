@@ -1,8 +1,8 @@
 """Expert parallelism, the single-process parts: the local experts' sparse compute against the
 E=1 model's dense MoE, their matmul FLOPs counted from the shapes MindSpore was given, the
 all-to-all dispatcher's bookkeeping (an exchange between E simulated ranks, in NumPy, against a
-dense NumPy MoE), and the refusals. The collectives run on real msrun ranks in
-tests/test_moe_distributed.py."""
+dense NumPy MoE), which dispatcher a run uses and its plan costs, and the refusals. The
+collectives and both dispatchers run on real msrun ranks in tests/test_moe_distributed.py."""
 import dataclasses
 
 import mindspore as ms
@@ -12,9 +12,11 @@ from mindspore import Parameter, Tensor, mint, nn
 
 from gradpool import GradPoolConfig
 from gradpool.app.config import ModelConfig
+from gradpool.app.dispatchers import resolve_dispatcher
 from gradpool.app.model import TinyDeepSeekV3
-from gradpool.app.moe import ExpertParallel, LocalExperts, local_experts, routed_rows
-from gradpool.app.moe_dispatch import ENV, all_to_all_requested, plan_receive, plan_send
+from gradpool.app.moe import (AllGatherDispatcher, ExpertParallel, LocalExperts, dispatcher_for,
+                              local_experts, routed_rows)
+from gradpool.app.moe_dispatch import AllToAllDispatcher, plan_receive, plan_send
 from gradpool.comm import SingleProcessCommunicator
 from gradpool.errors import InvalidArgumentError
 from hyper_parallel import fully_shard
@@ -140,15 +142,29 @@ def test_all_to_all_bookkeeping_routes_every_row_to_its_expert_and_back(ep, num_
         np.testing.assert_allclose(combined, want, rtol=1e-12, atol=1e-12)
 
 
-def test_the_all_to_all_dispatcher_is_refused_off_ascend(monkeypatch):
-    monkeypatch.delenv(ENV, raising=False)
-    assert all_to_all_requested() is False
-    monkeypatch.setenv(ENV, "all_to_all")
-    with pytest.raises(InvalidArgumentError, match="needs Ascend"):
-        all_to_all_requested()
-    monkeypatch.setenv(ENV, "alltoall")
-    with pytest.raises(InvalidArgumentError, match="'alltoall'"):
-        all_to_all_requested()
+def test_the_dispatcher_a_run_uses_is_the_one_its_plan_costs(monkeypatch):
+    """model.moe_dispatcher: ``auto`` is all-to-all on Ascend, all-gather elsewhere; the model
+    builds the dispatcher ``resolve_dispatcher`` names, and ``gradpool plan`` costs the same."""
+    import gradpool.device
+    from gradpool.app.config import from_dict
+    from gradpool.app.plan import PlanOptions, plan_memory
+    ep = ExpertParallel(size=1, rank=0, comm=SingleProcessCommunicator())
+    built = {"all-to-all": AllToAllDispatcher, "all-gather": AllGatherDispatcher}
+    for device in ("Ascend", "CPU"):
+        monkeypatch.setattr(gradpool.device, "device_target", lambda d=device: d)
+        for choice in ("auto", "all-to-all", "all-gather"):
+            name = resolve_dispatcher(choice, device)
+            assert name == (choice if choice != "auto" else
+                            "all-to-all" if device == "Ascend" else "all-gather")
+            if name == "all-to-all" and device == "Ascend":
+                continue                       # its exchange is HCCL's (no NPU here)
+            assert type(dispatcher_for(ep, choice)) is built[name]
+            cfg = from_dict({}, [f"launch.device={device}", "launch.ranks=2",
+                                 "model.expert_parallel=2", f"model.moe_dispatcher={choice}"])
+            assert plan_memory(cfg, PlanOptions()).experts.dispatcher == name
+    with pytest.raises(InvalidArgumentError, match="'ring'"):
+        resolve_dispatcher("ring", "CPU")
+    assert dispatcher_for(None, "all-to-all") is None
 
 
 def test_expert_parallel_refusals():

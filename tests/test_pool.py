@@ -18,7 +18,7 @@ from gradpool import pool as pool_module
 from gradpool import writers
 from gradpool.comm import SingleProcessCommunicator
 from gradpool.device import device_memory_bytes
-from gradpool.errors import (ArgumentTypeError, ForeignLeaseError, GradPoolError,
+from gradpool.errors import (ArgumentTypeError, CollectiveError, ForeignLeaseError, GradPoolError,
                              InvalidArgumentError, InvalidFenceError, LeaseStateError,
                              PoolCapacityError, UnsupportedDtypeError)
 from gradpool.layout import ReduceScatterLayout
@@ -27,7 +27,8 @@ from gradpool.reducer import GradReducer, ReducerConfig
 from gradpool.testing import FaultInjectingCommunicator
 from bad_inputs import POOL_CASES, assert_refused_typed
 from npref import raw_bytes, storage_bytes, values
-from pool_checks import Interrupt, assert_consistent, assert_reduces_correctly, step_grads
+from pool_checks import (Interrupt, QuarantineWatch, assert_consistent, assert_reduces_correctly,
+                         step_grads)
 from simulated import ManualFence, WaitOnlyHandle
 
 ms.set_device("CPU")
@@ -102,19 +103,6 @@ def test_bucket_cap_in_flight_waits_and_counts_the_stall():
     s = pool.stats()
     assert s.new_allocations == 1 and s.stalls == 1 and s.stall_seconds >= 0
     second.release()
-
-
-def test_failed_fence_still_recycles_the_bucket():
-    class FailingFence(ManualFence):
-        def wait(self):
-            self.done = True
-            raise RuntimeError("collective failed")
-
-    pool = BucketPool(max_buckets_in_flight=1)
-    pool.acquire(64, ms.float32).release(FailingFence())
-    lease = pool.acquire(64, ms.float32)
-    assert pool.stats().new_allocations == 1
-    lease.release()
 
 
 def test_trim_frees_only_idle_buckets():
@@ -289,20 +277,86 @@ class BreakableFence(ManualFence):
         return super().is_completed()
 
 
-@pytest.mark.parametrize("when", ["at release", "while fenced"])
-def test_a_fence_that_raises_is_treated_as_completed(when):
-    pool = BucketPool()
-    first = pool.acquire(64, ms.float32)
-    ptr = first.tensor.untyped_storage().data_ptr()
-    fence = BreakableFence()
-    fence.broken = when == "at release"
-    first.release(fence)
-    fence.broken = True
-    second = pool.acquire(64, ms.float32)        # recycled, not lost nor listed twice
-    assert second.tensor.untyped_storage().data_ptr() == ptr
-    s = pool.stats()
-    assert (s.new_allocations, s.fenced_buckets, s.free_buckets, s.live_leases) == (1, 0, 0, 1)
-    second.release()
+class FailingWaitFence(ManualFence):
+    """A collective whose wait() raises (it failed; the device may still be writing)."""
+
+    def wait(self):
+        self.waits += 1
+        raise RuntimeError("link down")
+
+
+def _quarantine(pool, when):
+    """One 64-element float32 bucket whose fence fails ``when``; its lease released."""
+    lease = pool.acquire(64, ms.float32)
+    if when in ("is_completed at release", "is_completed while fenced"):
+        fence = BreakableFence()
+        fence.broken = when == "is_completed at release"
+        lease.release(fence)
+        fence.broken = True
+    else:
+        lease.release(FailingWaitFence())
+        if when == "wait at the in-flight bound":
+            pool.acquire(16, ms.float32).release()      # the bound (1) waits the oldest fence
+        elif when == "wait in wait_all":
+            pool.wait_all()
+        else:   # under the cache cap: the acquire waits for the fenced bucket that fits; it
+            # fails, and the cap (which the quarantined bucket still counts in) refuses
+            with pytest.raises(PoolCapacityError, match="already caches 256 bytes"):
+                pool.acquire(64, ms.float32)
+    return lease
+
+
+@pytest.mark.parametrize("when", ["is_completed at release", "is_completed while fenced",
+                                  "wait at the in-flight bound", "wait in wait_all",
+                                  "wait under the cache cap"])
+def test_a_bucket_whose_fence_raised_is_quarantined_until_a_synchronize(when, monkeypatch):
+    """Never leased again, never freed by trim() off the pool's thread nor by eviction, counted
+    in stats; freed by trim() only after a device-wide synchronize, which finds it still held."""
+    capped = when == "wait under the cache cap"
+    pool = BucketPool(alignment_bytes=4, max_cached_bytes=384 if capped else None,
+                      max_buckets_in_flight=1 if when == "wait at the in-flight bound" else None)
+    watch = QuarantineWatch(pool)
+    lease = _quarantine(pool, when)
+    bad = lease._bucket
+    stats = pool.stats()
+    assert (stats.quarantined_buckets, stats.quarantined_bytes, stats.failed_fences,
+            stats.fenced_buckets) == (1, 256, 1, 0), stats
+    assert bad.state == "quarantined" and watch.check() == 1
+    others = [pool.acquire(16, ms.float32)] if capped else [pool.acquire(64, ms.float32),
+                                                           pool.acquire(16, ms.float32)]
+    assert all(o._bucket is not bad for o in others), "a quarantined bucket was leased again"
+    for other in others:
+        other.release()
+    freed = []
+    worker = threading.Thread(target=lambda: freed.append(pool.trim()))
+    worker.start()
+    worker.join()
+    assert freed == [0] and watch.check() == 1        # off the pool's thread: nothing freed
+    synced = []
+    monkeypatch.setattr(pool_module, "synchronize",
+                        lambda: synced.append(bad.tensor.untyped_storage().size()))
+    pool.trim()
+    assert synced == [256], "freed without a synchronize, or before it"
+    assert bad.tensor.untyped_storage().size() == 0 and all(b is not bad for b in pool._buckets)
+    stats = pool.stats()
+    assert (stats.quarantined_buckets, stats.quarantined_bytes, stats.failed_fences) == (0, 0, 1)
+    assert_consistent(pool, held=0)
+    watch.check()
+
+
+def test_a_quarantined_bucket_is_not_evicted_under_the_cache_cap():
+    """Eviction frees idle buckets only: a quarantined one counts against the cap and stays."""
+    pool = BucketPool(alignment_bytes=4, max_cached_bytes=1024)
+    _quarantine(pool, "is_completed at release")             # 256 bytes held
+    pool.acquire(64, ms.float32).release()                   # 256 bytes idle
+    big = pool.acquire(192, ms.float32)        # 768 bytes: fits once the idle bucket is evicted
+    stats = pool.stats()
+    assert (stats.quarantined_buckets, stats.bytes_reserved, stats.trimmed_bytes) == (1, 1024, 256)
+    with pytest.raises(PoolCapacityError, match="already caches 1024 bytes"):
+        pool.acquire(64, ms.float32)           # fits only by freeing the quarantined bucket
+    big.release()
+    stats = pool.stats()
+    assert (stats.quarantined_buckets, stats.trimmed_bytes) == (1, 256)
 
 
 def test_in_flight_bound_ignores_live_leases_and_waits_only_at_the_bound():
@@ -644,46 +698,66 @@ def test_a_fence_without_wait_is_refused_and_the_lease_stays_live(fence):
 def test_interrupts_inside_acquire_and_release_of_the_pool_itself():
     rng = random.Random(77)
     pool = BucketPool(alignment_bytes=4, poison_on_release=True, max_buckets_in_flight=2,
-                      max_cached_bytes=64 * 1024)
+                      max_cached_bytes=128 * 1024)
+    watch = QuarantineWatch(pool)
     interrupt = Interrupt()
     held = []
+    completed = refused = 0
     try:
         for step in range(400):
+            # a fifth of the collectives fail: wait() or is_completed() raises (made before the
+            # timer is armed: building a communicator takes longer than most interrupt delays)
+            fault = rng.choice([{}, {}, {}, {}, {"fail_wait": True}, {"fail_is_completed": True}])
+            fence = FaultInjectingCommunicator(
+                SingleProcessCommunicator(), delay_seconds=0.001, **fault).all_reduce(
+                ms.Tensor(np.zeros(1, np.float32)))
             try:
-                interrupt.arm(rng.uniform(0.000005, 0.0003))
+                # up to 3 ms: a loaded 2-core machine took longer than 0.3 ms for every first
+                # acquire, and no step completed at all
+                interrupt.arm(rng.uniform(0.000005, 0.003))
                 # holder=: the lease is in held as part of the acquire. The oldest lease stays
                 # in held until its release commits: an interrupt between taking a lease out of
                 # the list and releasing it would lose it in this loop, not in the pool.
                 pool.acquire(rng.choice([16, 300, 2048, 4000]),
                              rng.choice([ms.float32, ms.bfloat16]), holder=held)
                 if len(held) > 3:
-                    fence = FaultInjectingCommunicator(
-                        SingleProcessCommunicator(), delay_seconds=0.001).all_reduce(
-                        ms.Tensor(np.zeros(1, np.float32)))
                     held[0].release(fence)
                 if step % 37 == 0:
                     pool.trim()
                 # Disarmed inside the try: a Ctrl-C landing after the work, before the finally
                 # disarms, would otherwise escape the test (CI saw it end the whole session).
                 interrupt.disarm()
+                completed += 1
             except KeyboardInterrupt:
                 pass
+            except PoolCapacityError:
+                refused += 1        # the cap, quarantined buckets counted in: refused whole
             finally:
                 interrupt.disarm()
             held = [lease for lease in held if not lease.released]
             assert_consistent(pool, held=len(held))
+            watch.check()
+            if step % 8 == 7:
+                pool.trim()         # quarantined buckets count in the cap until trimmed
     finally:
         interrupt.close()
     for lease in held:
         lease.release()
     pool.wait_all()
     assert_consistent(pool, held=0)
+    assert completed > 40 and 400 - completed - refused > 40, (completed, refused)
+    assert watch.check() > 10 and pool.stats().failed_fences >= len(watch.seen)
 
 
 def test_a_monitoring_thread_while_the_main_thread_reduces():
+    """The monitor reads stats and trims (which frees nothing off the pool's thread, quarantined
+    buckets included) while every ninth step's collective fails: the step gets a CollectiveError,
+    the other steps NumPy's values, and no quarantined bucket is leased again."""
     pool = BucketPool(alignment_bytes=4, poison_on_release=True)
     comm = FaultInjectingCommunicator(SingleProcessCommunicator(), delay_seconds=0.0005)
     reducer = GradReducer(pool, comm, ReducerConfig(comm_fusion=True))
+    watch = QuarantineWatch(pool)
+    failures = []
     errors, snapshots = [], []
     stop = threading.Event()
 
@@ -704,19 +778,30 @@ def test_a_monitoring_thread_while_the_main_thread_reduces():
     try:
         for step in range(2000):
             arrays, tensors = step_grads(step % 50)
+            comm.fail_wait = True if step % 9 == 4 else None
             result = reducer.reduce_scatter(tensors, op="sum")
-            for shard, want in zip(result.wait(), arrays):
+            try:
+                shards = result.wait()
+            except CollectiveError as exc:
+                failures.append((step, "injected failure" in str(exc)))
+                continue
+            for shard, want in zip(shards, arrays):
                 got = shard.asnumpy()
                 nan += int(np.isnan(got).any())
                 wrong += int(not np.array_equal(got, want))
             result.release()
+            watch.check()
+            if step % 200 == 199:
+                pool.trim()
     finally:
         stop.set()
         thread.join()
     assert (errors, nan, wrong) == ([], 0, 0)
+    assert failures == [(step, True) for step in range(2000) if step % 9 == 4]
     assert len(snapshots) > 100, "the monitor really ran alongside"
     pool.wait_all()
     assert_consistent(pool, held=0)
+    assert watch.check() >= len(failures)
 
 
 def test_pool_lock_costs_little(capsys):

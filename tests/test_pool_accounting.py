@@ -144,18 +144,23 @@ def test_stalls_add_up_their_count_and_time():
     assert stats.stall_seconds >= 0.1
 
 
-def test_a_fence_that_fails_while_the_pool_waits_is_logged_with_dtype_and_error(caplog):
+def test_a_fence_that_fails_while_the_pool_waits_is_quarantined_and_logged(caplog):
+    """The wait counts as a stall; the bucket is not reused (a new one is allocated), and the
+    log line names its size, dtype and the error."""
     pool = BucketPool(device="CPU", alignment_bytes=4, max_buckets_in_flight=1)
     pool.acquire(8, ms.bfloat16).release(_SlowHandle(0, RuntimeError("link down")))
     with caplog.at_level("WARNING", logger="gradpool.pool"):
         lease = pool.acquire(8, ms.bfloat16)
     assert [r.getMessage() for r in caplog.records] == [
-        f"fence of a {ms.bfloat16} bucket failed while the pool waited on it: link down"]
-    assert pool.stats().stalls == 1 and pool.stats().reuses == 1
+        f"a 16-byte {ms.bfloat16} bucket is quarantined (never reused; trim() frees it after a "
+        "device synchronize): its fence wait() raised RuntimeError: link down"]
+    stats = pool.stats()
+    assert (stats.stalls, stats.reuses, stats.new_allocations) == (1, 0, 2)
+    assert (stats.quarantined_buckets, stats.quarantined_bytes, stats.failed_fences) == (1, 16, 1)
     lease.release()
 
 
-def test_a_fence_whose_is_completed_raises_counts_as_done_and_is_logged(caplog):
+def test_a_fence_whose_is_completed_raises_is_quarantined_and_logged(caplog):
     class Broken:
         def wait(self):
             pass
@@ -169,8 +174,11 @@ def test_a_fence_whose_is_completed_raises_counts_as_done_and_is_logged(caplog):
     with caplog.at_level("WARNING", logger="gradpool.pool"):
         pool.acquire(8, ms.float32).release(Broken())
     assert [r.getMessage() for r in caplog.records] == [
-        "fence Broken() raised in is_completed(), treated as completed: handle lost"]
-    assert pool.stats().free_buckets == 1
+        f"a 32-byte {ms.float32} bucket is quarantined (never reused; trim() frees it after a "
+        "device synchronize): its fence is_completed() raised RuntimeError: handle lost"]
+    stats = pool.stats()
+    assert (stats.free_buckets, stats.quarantined_buckets, stats.failed_fences) == (0, 1, 1)
+    assert pool.trim() == 32 and pool.stats().quarantined_buckets == 0
 
 
 def test_a_fresh_pool_and_lease_state():

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -228,6 +231,81 @@ def test_dead_rank_is_a_non_zero_exit_or_a_vanished_process():
     # it recorded exit 0 between the read and the pid check: not dead
     reads = iter([[_report(0, gone), None], [_report(0, gone, 0), None]])
     assert dead_rank(lambda: next(reads)) is None
+
+
+# -- killing a rank by pid: only while the pid is still the rank's ------------------------------
+def test_a_rank_is_killed_only_while_its_pid_is_still_its_process(tmp_path):
+    """The launcher's stop path (supervise._stop) kills a rank's process group by the pid its
+    report holds. A report whose start time is another process's (the rank died, the kernel gave
+    its pid to this one) or that has none leaves the process alone; the rank's own is killed."""
+    from gradpool.app import lifeline, supervise
+    victim = subprocess.Popen(["sleep", "60"], start_new_session=True)     # a session, as msrun's
+    try:
+        start = lifeline.process_start(victim.pid)
+        assert start is not None
+        launch = types.SimpleNamespace(report_dir=tmp_path, spec=types.SimpleNamespace(ranks=[0]))
+        for other in (str(int(start) - 1), None):       # reused pid; no start time recorded
+            rank_report.write_report(tmp_path, RankReport(
+                rank=0, world_size=1, pid=victim.pid, role="MS_WORKER", pid_start=other))
+            supervise._stop([], launch, via_msrun=False)
+            time.sleep(0.2)
+            assert victim.poll() is None, f"killed a process that was not the rank's ({other})"
+        rank_report.write_report(tmp_path, RankReport(
+            rank=0, world_size=1, pid=victim.pid, role="MS_WORKER", pid_start=start))
+        supervise._stop([], launch, via_msrun=False)
+        assert victim.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+            victim.wait()
+
+
+@pytest.mark.parametrize("commits", [True, False], ids=["commits", "grace_passes"])
+def test_a_stop_signal_waits_for_the_save_in_progress_within_the_grace(tmp_path, caplog,
+                                                                       no_launch, commits):
+    """The launcher's stop path with a rank (this process) that has the save of step 4 in
+    flight: it says it waits, and returns once the rank reports it committed (a save started
+    later is not waited for), or once the grace has passed, saying so."""
+    from gradpool.app import checkpoints, supervise
+    launch = types.SimpleNamespace(report_dir=tmp_path, spec=types.SimpleNamespace(ranks=[0]))
+    reporter = Reporter(tmp_path, rank=0, world_size=1)
+    reporter.publish(checkpoints.SAVE_IN_FLIGHT, {"path": "ckpt/step-00000004", "step": 4})
+    busy = subprocess.Popen(["sleep", "30"])          # a launch process still running
+
+    def commit_then_start_the_next():
+        time.sleep(0.6)
+        reporter.publish(checkpoints.LAST_CHECKPOINT, {"path": "ckpt/step-00000004", "step": 4})
+        reporter.publish(checkpoints.SAVE_IN_FLIGHT, {"path": "ckpt/step-00000006", "step": 6})
+    committer = threading.Thread(target=commit_then_start_the_next)
+    if commits:
+        committer.start()
+    start = time.monotonic()
+    try:
+        with caplog.at_level(logging.WARNING, logger="gradpool.launch"):
+            supervise._let_save_commit(launch, [busy], signal.SIGTERM, grace=3.0)
+    finally:
+        busy.kill()
+        busy.wait()
+        if commits:
+            committer.join()
+    waited = time.monotonic() - start
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0] == ("SIGTERM: letting the save of step 4 finish and commit before stopping "
+                       "the ranks (up to 3 s: train.stop_save_grace_s)")
+    if commits:
+        assert 0.5 < waited < 2.5 and len(said) == 2, (waited, said)
+        assert said[1].startswith("SIGTERM: the save of step 4 committed after ")
+    else:
+        assert 3.0 <= waited < 4.5 and said[1:] == [
+            "SIGTERM: the save of step 4 did not commit within 3 s (train.stop_save_grace_s); "
+            "it stays uncommitted"], (waited, said)
+
+
+def test_a_report_records_its_process_start_time(tmp_path, no_launch):
+    from gradpool.app import lifeline
+    Reporter(tmp_path, rank=0, world_size=1)
+    report = rank_report.read_report(tmp_path, 0)
+    assert report.pid_start == lifeline.process_start(os.getpid()) is not None
 
 
 # -- the harness's checks on top of the reports --------------------------------------------------

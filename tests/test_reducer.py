@@ -27,14 +27,16 @@ import mindspore as ms
 
 from gradpool.comm import Communicator, SingleProcessCommunicator
 from gradpool.testing import FaultInjectingCommunicator
-from gradpool.errors import InvalidArgumentError, LeaseStateError
+from gradpool.errors import CollectiveError, InvalidArgumentError, LeaseStateError
 from gradpool.layout import ReduceScatterLayout
 from gradpool.dtypes import itemsize
+from gradpool import pool as pool_module
 from gradpool.pool import BucketPool
 from gradpool.reducer import GradReducer, ReducerConfig
 from bad_inputs import REDUCER_CASES, assert_refused_typed
 from npref import np_chunk, values
-from pool_checks import Interrupt, assert_consistent, assert_reduces_correctly, step_grads
+from pool_checks import (Interrupt, QuarantineWatch, assert_consistent, assert_reduces_correctly,
+                         step_grads)
 from simulated import PeerScaled, WaitOnlyHandle, make_reducer, random_grads
 
 DIST_DIR = Path(__file__).parent / "distributed"
@@ -263,18 +265,66 @@ def test_zero_copy_borrow_outlives_a_release_before_completion():
 
 
 def test_every_wait_on_a_failed_result_sees_the_collective_error():
-    """A fused result is waited on by each of its parameters: all of them get the real cause."""
+    """A fused result is waited on by each of its parameters: all of them get the same typed
+    error, naming the collective, with the real cause."""
     pool = BucketPool(poison_on_release=True)
     failure = RuntimeError("link down")
     red = GradReducer(pool, FaultInjectingCommunicator(SingleProcessCommunicator(),
                                                        fail_wait=failure),
                       ReducerConfig(comm_fusion=True))
     result = red.reduce_scatter(grads(), SHARD_DIMS, op="avg")
+    errors = []
     for _ in range(3):
-        with pytest.raises(RuntimeError) as info:
+        with pytest.raises(CollectiveError) as info:
             result.wait()
-        assert info.value is failure
+        errors.append(info.value)
+    assert errors[0] is errors[1] is errors[2] and errors[0].__cause__ is failure
+    assert errors[0].collective.startswith("reduce_scatter of 6 gradient(s) [0, 1, 2, 3, 4, 5]")
     assert pool.stats().live_leases == 0
+
+
+@pytest.mark.parametrize("fault", ["fail_wait", "fail_is_completed"])
+@pytest.mark.parametrize("late", [False, True], ids=["at_launch", "at_wait"])
+def test_a_failed_collective_quarantines_its_buckets_and_never_recycles_them(fault, late,
+                                                                             monkeypatch):
+    """Both buckets of the failed collective (its input, fenced on it, and its output) are
+    quarantined, never leased again by the next reduces, which give NumPy's values in new
+    buckets; trim() frees them after a synchronize. The caller gets a CollectiveError naming the
+    reduce-scatter, its cause the injected error."""
+    pool = BucketPool(alignment_bytes=4, poison_on_release=True)
+    injected = RuntimeError("link down 17")
+    comm = FaultInjectingCommunicator(SingleProcessCommunicator(), delay_seconds=0.05,
+                                      read_input_at="wait" if late else "launch",
+                                      **{fault: injected})
+    reducer = GradReducer(pool, comm, ReducerConfig(comm_fusion=True))
+    watch = QuarantineWatch(pool)
+    arrays, tensors = step_grads(3)
+    result = reducer.reduce_scatter(tensors, op="sum")
+    with pytest.raises(CollectiveError) as info:
+        result.wait()
+    assert info.value.__cause__ is injected and "link down 17" in str(info.value)
+    assert info.value.collective.startswith("reduce_scatter of 3 gradient(s) [0, 1, 2]")
+    stats = pool.stats()
+    assert (stats.live_leases, stats.quarantined_buckets, stats.failed_fences) == (0, 2, 2)
+    bad = [b for b in pool._buckets if b.state == "quarantined"]
+    assert watch.check() == 2
+    setattr(comm, fault, None)                    # the fault clears
+    for seed in (4, 5):
+        arrays, tensors = step_grads(seed)
+        result = reducer.reduce_scatter(tensors, op="sum")
+        for shard, want in zip(result.wait(), arrays):
+            np.testing.assert_array_equal(shard.asnumpy(), want)
+        result.release()
+        watch.check()
+    pool.wait_all()
+    assert pool.stats().quarantined_buckets == 2 and watch.check() == 2
+    synced = []
+    monkeypatch.setattr(pool_module, "synchronize",
+                        lambda: synced.append([b.tensor.untyped_storage().size() for b in bad]))
+    pool.trim()
+    assert synced == [[b.nbytes for b in bad]] and pool.stats().quarantined_buckets == 0
+    watch.check()
+    assert_consistent(pool, held=0)
 
 
 # -- part 3: a second rank simulated in-process ---------------------------------------------------
@@ -517,39 +567,59 @@ def test_the_reducer_waits_wait_only_handles_and_then_recycles():
 @pytest.mark.parametrize("fusion", [True, False], ids=["fused", "pergrad"])
 def test_interrupts_at_random_instants_leave_the_pool_consistent(fusion):
     """Hundreds of seeded random Ctrl-Cs through acquire-at-bound (delayed collectives, one bucket
-    in flight), poisoning, lease creation and ReduceResult.release()."""
+    in flight), poisoning, lease creation and ReduceResult.release(); every fifth step's
+    collectives fail (wait() or is_completed() raising): their buckets are quarantined and never
+    leased again, whatever the interrupts hit, and the step sees a CollectiveError."""
     rng = random.Random(1234 if fusion else 4321)
     pool = BucketPool(alignment_bytes=4, poison_on_release=True, max_buckets_in_flight=1)
     comm = FaultInjectingCommunicator(SingleProcessCommunicator(), delay_seconds=0.002)
     reducer = GradReducer(pool, comm, ReducerConfig(comm_fusion=fusion))
+    watch = QuarantineWatch(pool)
+    injected = RuntimeError("injected link failure")
     interrupt = Interrupt()
-    interrupted = 0
+    interrupted = failed = 0
     try:
         for step in range(300):
             arrays, tensors = step_grads(step)
+            failing = step % 5 == 2
+            comm.fail_wait = injected if failing and step % 2 else None
+            comm.fail_is_completed = injected if failing and not step % 2 else None
             result = None
+            delay = rng.uniform(0.00002, 0.004)
             try:
-                interrupt.arm(rng.uniform(0.00002, 0.004))
+                if not (failing and step % 3 == 0):     # a third of the failures run whole
+                    interrupt.arm(delay)
                 result = reducer.reduce_scatter(tensors, op="sum")
                 shards = result.wait()
                 got = [s.asnumpy().copy() for s in shards]
                 result.release()
                 interrupt.disarm()
+                assert not failing, "a failed collective's result was returned"
                 for shard, want in zip(got, arrays):
                     np.testing.assert_array_equal(shard, want)
             except KeyboardInterrupt:
                 interrupted += 1
+            except CollectiveError as exc:
+                assert failing and exc.__cause__ is injected, exc
+                failed += 1
             finally:
                 interrupt.disarm()
             if result is not None:
                 result.release()        # what a caller holding the result does after Ctrl-C
             assert_consistent(pool, held=0)
+            watch.check()
+            if step % 50 == 49:
+                pool.trim()             # frees the quarantined buckets after a synchronize
+                assert pool.stats().quarantined_buckets == 0
+        comm.fail_wait = comm.fail_is_completed = None
         pool.wait_all()
         assert_consistent(pool, held=0)
         assert_reduces_correctly(reducer)
+        watch.check()
     finally:
         interrupt.close()
     assert interrupted > 50, f"only {interrupted} of 300 iterations were interrupted"
+    assert failed >= 20 and len(watch.seen) >= failed, (failed, len(watch.seen))
 
 
 # -- the reducer's table of the bad-input matrix (tests/bad_inputs.py) ----------------------------

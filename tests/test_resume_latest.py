@@ -5,10 +5,12 @@ The real runs (msrun) are in ``tests/test_keep_last_run.py``.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import mindspore as ms
@@ -17,14 +19,14 @@ import pytest
 from mindspore import Parameter, nn
 
 from gradpool.app import checkpoints, rank_main
-from gradpool.app.checkpoints import (CheckpointInfo, check_resume, find_latest, prune,
-                                      resolve_latest, run_extra, step_dir)
+from gradpool.app.checkpoints import (CheckpointInfo, check_resume, find_latest, resolve_latest,
+                                      run_extra, step_dir)
 from gradpool.app.cli import EXIT_USAGE, main
 from gradpool.app.config import load_config
 from gradpool.app.errors import ConfigValueError, OverrideSyntaxError
 from gradpool.errors import CheckpointError, StateMismatchError
 from hyper_parallel import checkpoint
-from hyper_parallel.checkpoint import files
+from hyper_parallel.checkpoint import files, steps
 from test_cli import TINY
 
 ms.set_device("CPU")
@@ -130,6 +132,86 @@ def _names(save_dir: Path) -> list:
     return sorted(p.name for p in save_dir.iterdir())
 
 
+def prune(save_dir, keep_last: int, saved_step: int) -> list:
+    """The step directories :func:`steps.prune` removed (it removed every one it tried)."""
+    pruned = steps.prune(save_dir, keep_last, saved_step, holder="test")
+    assert pruned.left == {}, pruned.left
+    return pruned.removed
+
+
+@contextlib.contextmanager
+def unremovable(path: Path):
+    """``path`` (a file, or a directory whose entries then cannot be removed) made so that a
+    removal really fails. Permission bits do not stop root, so as root the file system's
+    immutable attribute (``chattr +i``; ext4 here), else a read-only parent directory; skipped
+    where neither is available. Undone on exit."""
+    if os.geteuid() == 0:
+        made = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True) \
+            if shutil.which("chattr") else None
+        if made is None or made.returncode:
+            pytest.skip(f"cannot make {path} immutable as root: "
+                        f"{made.stderr.strip() if made else 'no chattr'}")
+        undo = ["chattr", "-i", str(path)]
+    else:
+        target = path if path.is_dir() else path.parent
+        os.chmod(target, 0o555)
+        undo = None
+    try:
+        yield
+    finally:
+        if undo:
+            subprocess.run(undo, check=True)
+        else:
+            os.chmod(target, 0o755)
+
+
+@pytest.mark.parametrize("what", ["rank file", "generation directory", "index"])
+def test_a_removal_that_fails_is_logged_retried_and_never_resumed(tmp_path, caplog, what):
+    """keep_last=1 after step 3: step 1's removal fails on a real file-system refusal. The
+    warning names the directory and what remained; step 2 goes; a half-removed step 1 is
+    uncommitted, so latest never picks it (not even when it is the only directory left); an
+    index that cannot be removed leaves the step whole and committed. Once the file can go, the
+    next prune removes it."""
+    for step in (1, 2, 3):
+        _save(tmp_path, step)
+    one = step_dir(tmp_path, 1)
+    rank_file = next(one.glob("gen-*/rank-00000.safetensors"))
+    target = {"rank file": rank_file, "generation directory": rank_file.parent,
+              "index": one / files.INDEX}[what]
+    with unremovable(target):
+        with caplog.at_level(logging.WARNING, logger="hyper_parallel.checkpoint.steps"):
+            pruned = steps.prune(tmp_path, 1, 3, holder="test")
+        assert pruned.removed == [str(step_dir(tmp_path, 2))] and pruned.busy == []
+        assert list(pruned.left) == [str(one)]
+        remaining = [str(p.relative_to(one)) for p in sorted(one.rglob("*")) if p.is_file()]
+        assert pruned.left[str(one)] == remaining
+        assert str(rank_file.relative_to(one)) in remaining
+        [record] = [r for r in caplog.records if "could not remove" in r.getMessage()]
+        message = record.getMessage()
+        assert str(one) in message and str(target.relative_to(one)) in message
+        assert f"what remains: {', '.join(remaining)}" in message
+        committed = what == "index"
+        assert (one / files.INDEX).is_file() == committed
+        assert "stays committed" in message if committed else "stays committed" not in message
+        assert steps.latest(tmp_path) == step_dir(tmp_path, 3)
+        shutil.rmtree(step_dir(tmp_path, 3))
+        # the only directory left: a half-removed one is never resumed, a whole one may be
+        assert steps.latest(tmp_path) == (one if committed else None)
+        if not committed:
+            assert steps.scan(tmp_path).skipped[0].startswith("step-00000001: not committed")
+        _save(tmp_path, 4)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hyper_parallel.checkpoint.steps"):
+            again = steps.prune(tmp_path, 1, 4, holder="test")
+        assert list(again.left) == [str(one)] and len(caplog.records) == 1    # still loud
+    again = steps.prune(tmp_path, 1, 4, holder="test")              # retried: it goes now
+    assert (again.removed, again.left) == ([str(one)], {})
+    assert _names(tmp_path) == ["step-00000004"]
+    line = checkpoints.removed_text({"removed": pruned.removed, "not_removed": list(pruned.left)})
+    assert line == ("; removed step-00000002 (train.keep_last); could not remove step-00000001 "
+                    "(train.keep_last: see the rank's log; retried at the next save)")
+
+
 def test_keep_last_removes_only_older_steps_of_ours_beyond_the_newest_n(tmp_path):
     for step in range(1, 7):
         _save(tmp_path, step)
@@ -194,6 +276,31 @@ def test_with_async_save_a_step_is_pruned_only_after_a_newer_one_committed(tmp_p
     assert final["step"] == 3 and final["removed"] == [str(step_dir(tmp_path, 2))]
     assert _names(tmp_path) == ["step-00000003"] and saver.finish() is None
     assert _loaded_value(step_dir(tmp_path, 3)) == 2.0
+
+
+def test_a_background_save_commits_within_a_step_of_its_last_write(tmp_path):
+    """save_every 2: the save of step 2 is not committed by the step that started it, nor while
+    any rank's write still runs; at the end of the first step after every write finished it is
+    (before step 4's save), so latest() finds it and a kill from then on loses nothing of it."""
+    import time
+    cfg = load_config(TINY, [f"train.save_dir={tmp_path}", "train.async_save=true",
+                             "train.save_every=2", "train.steps=6"])
+    net = Net(2.0)
+    saver = checkpoints.StepSaver(cfg, net, None, 1, 0)
+    assert saver.after_step(1) is None and saver.started is None and not saver.written()
+    assert saver.after_step(2) is None and saver.started["step"] == 2
+    while not saver.pending.done():
+        time.sleep(0.01)
+    assert not saver.written(), "a save started by this step commits at a later step"
+    assert saver.commit_if_written(False) is None
+    assert saver.after_step(3) is None and saver.written()
+    assert saver.commit_if_written(False) is None          # another rank still writes
+    assert checkpoint.latest(tmp_path) is None
+    saved = saver.commit_if_written(True)
+    assert saved["step"] == 2 and saved["asynchronous"]
+    assert checkpoint.latest(tmp_path) == step_dir(tmp_path, 2)
+    assert saver.pending is None and not saver.written() and saver.finish() is None
+    assert _loaded_value(step_dir(tmp_path, 2)) == 2.0
 
 
 # -- config edges --------------------------------------------------------------------------------

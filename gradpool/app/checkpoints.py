@@ -19,11 +19,12 @@ they were recorded) is accepted with a warning.
 under ``train.save_dir`` (:func:`find_latest`; a newer one that is uncommitted or damaged is
 skipped and logged); with no committed checkpoint there the run starts from step 0 and says so,
 as Megatron's and torchtitan's do. ``train.keep_last: N`` removes, after each save, the committed
-step directories older than the newest N (:func:`prune`).
+step directories older than the newest N (:func:`hyper_parallel.checkpoint.steps.prune`).
 
 With ``train.async_save`` each save is written in the background (:class:`StepSaver`): it is
-committed, and ``keep_last`` prunes after it, at the next save or at the end of the run; before
-that ``latest`` does not see it. ``train.verify_checkpoint: false`` (or ``gradpool train
+committed, and ``keep_last`` prunes after it, at the end of the first step after every rank's
+write finished (at the latest at the next save or the end of the run); before that ``latest``
+does not see it. ``train.verify_checkpoint: false`` (or ``gradpool train
 --no-verify``) skips the checksums of ``resume_from`` before the launch and in the ranks' load,
 and the launcher says so.
 
@@ -36,11 +37,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from gradpool.app.config import RunConfig
 from gradpool.errors import CheckpointError, StateMismatchError
@@ -52,6 +51,9 @@ WRITER = "gradpool train"
 # The rank report key under which each rank publishes the newest checkpoint it saw committed
 # ({"path", "step"}), for the launcher's line when a signal stops the run.
 LAST_CHECKPOINT = "last_checkpoint"
+# ... and the save it has started and not committed yet ({"path", "step"}, or None): a stop
+# signal lets it finish and commit first (gradpool.app.supervise, train.stop_save_grace_s).
+SAVE_IN_FLIGHT = "save_in_flight"
 # What decides the batches and the updates besides the saved state (see the module docstring).
 TRAJECTORY_KEYS = ("seed", "micro_steps", "optimizer", "learning_rate")
 # fully_shard settings that change the gradients or the sharding a run trains with
@@ -177,33 +179,18 @@ def _check_global_batch(cfg: RunConfig, extra: dict, world: int, where: str) -> 
 
 
 # -- the step directories of a save_dir: latest and retention ---------------------------------
-def step_dirs(save_dir) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every ``step-<8 digits>`` directory directly in ``save_dir`` (not a
-    symlink), oldest first."""
-    from hyper_parallel.checkpoint import steps
-    return steps.step_dirs(save_dir)
-
-
 def find_latest(save_dir, checksums: bool = True) -> tuple[Optional[CheckpointInfo], list[str]]:
     """The newest committed, intact step checkpoint under ``save_dir`` (None: none committed)
     and, newest first, why each newer step directory was passed over
-    (:func:`hyper_parallel.checkpoint.steps.scan`: every rank file's size, save id and header
-    agree with the index, with ``checksums`` every piece's bytes too, and the index holds the
-    step its name says). A ``save_dir`` whose committed checkpoints are all damaged is a
-    :class:`CheckpointError` naming each: starting from step 0 over them would throw the
-    training away."""
+    (:func:`hyper_parallel.checkpoint.steps.newest`, which refuses a ``save_dir`` whose
+    committed checkpoints are all damaged)."""
     from hyper_parallel.checkpoint import steps
-    found = steps.scan(save_dir, verify=checksums)
-    if found.path is not None:
-        index = found.index
-        return CheckpointInfo(found.path, index.step, index.extra, index.world_size,
-                              sum(index.files.values())), found.skipped
-    if found.damaged:
-        raise CheckpointError(
-            f"train.resume_from = {LATEST!r}: every committed checkpoint under {save_dir} is "
-            f"damaged ({'; '.join(found.damaged)}); repair or move them away, or name a step "
-            "directory in train.resume_from")
-    return None, found.skipped
+    found = steps.newest(save_dir, verify=checksums)
+    if found.path is None:
+        return None, found.skipped
+    index = found.index
+    return CheckpointInfo(found.path, index.step, index.extra, index.world_size,
+                          sum(index.files.values())), found.skipped
 
 
 def resolve_latest(cfg: RunConfig) -> tuple[RunConfig, Optional[CheckpointInfo], list[str]]:
@@ -226,33 +213,17 @@ def resolve_latest(cfg: RunConfig) -> tuple[RunConfig, Optional[CheckpointInfo],
         info, notes
 
 
-def prune(save_dir, keep_last: int, saved_step: int) -> list[str]:
-    """After the checkpoint of ``saved_step`` committed: remove the step directories older than
-    it that are not among the newest ``keep_last`` committed ones (``saved_step``'s counted), and
-    older uncommitted ones (killed saves). Never the one just saved, never a newer one (left by an
-    earlier run that went further), never a directory another writer holds the lock of, never
-    anything but a ``step-<N>`` directory holding only what a save writes. Each is uncommitted
-    first (its index removed under its lock), so a removal cut short leaves an uncommitted
-    directory, which :func:`find_latest` skips. The paths removed, oldest first."""
-    from hyper_parallel.checkpoint import files
-    older = [(step, path) for step, path in step_dirs(save_dir) if step < saved_step]
-    committed = [path for _, path in older if (path / files.INDEX).is_file()]
-    keep = set(committed[-(keep_last - 1):] if keep_last > 1 else [])
-    removed = []
-    for _, path in older:
-        if path in keep or not _only_ours(path):
-            continue
-        if _remove_step(path):
-            removed.append(str(path))
-    return removed
-
-
 def removed_text(saved: dict) -> str:
-    """What a saved step's line adds for the directories :func:`prune` removed after it."""
-    removed = saved.get("removed") or []
-    if not removed:
-        return ""
-    return f"; removed {', '.join(Path(p).name for p in removed)} (train.keep_last)"
+    """What a saved step's line adds for the directories ``train.keep_last`` removed after it,
+    and those it could not remove whole (retried at the next save)."""
+    removed, left = saved.get("removed") or [], saved.get("not_removed") or []
+    text = ""
+    if removed:
+        text += f"; removed {', '.join(Path(p).name for p in removed)} (train.keep_last)"
+    if left:
+        text += (f"; could not remove {', '.join(Path(p).name for p in left)} (train.keep_last: "
+                 "see the rank's log; retried at the next save)")
+    return text
 
 
 def background_text(saved: dict) -> str:
@@ -260,38 +231,6 @@ def background_text(saved: dict) -> str:
     if not saved.get("asynchronous"):
         return ""
     return f" in the background, training blocked {saved['blocked_seconds']:.2f} s"
-
-
-_SAVE_NAMES = re.compile(r"^(index\.json|index\.json\..+\.tmp|\.lock|gen-\d{8})$")
-
-
-def _only_ours(path: Path) -> bool:
-    try:
-        return all(_SAVE_NAMES.match(child.name) for child in path.iterdir())
-    except OSError:
-        return False
-
-
-def _remove_step(path: Path) -> bool:
-    """Remove one step directory under its save lock; False when another writer holds it."""
-    import fcntl
-    from hyper_parallel.checkpoint import files
-    try:
-        fd = os.open(path / files.DirectoryLock.NAME, os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError as exc:
-        logger.warning("train.keep_last: cannot remove %s: %s", path, exc)
-        return False
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            logger.warning("train.keep_last: %s is being saved by another writer; left", path)
-            return False
-        (path / files.INDEX).unlink(missing_ok=True)        # uncommitted from here on
-        shutil.rmtree(path, ignore_errors=True)
-        return not path.exists()
-    finally:
-        os.close(fd)
 
 
 # -- on the ranks ------------------------------------------------------------------------------
@@ -309,47 +248,81 @@ def save_step(cfg: RunConfig, model, optimizer, steps_done: int, world: int,
 def _committed(cfg: RunConfig, result, rank: int) -> dict:
     """A committed save as the step line and the summary show it, after ``train.keep_last``
     pruned (rank 0: a step directory goes only once a newer one committed)."""
-    removed = []
+    from hyper_parallel.checkpoint import steps
+    pruned = steps.Pruned()
     if cfg.train.keep_last is not None and rank == 0:     # committed on every rank by now
-        removed = prune(cfg.train.save_dir, cfg.train.keep_last, result.step)
+        pruned = steps.prune(cfg.train.save_dir, cfg.train.keep_last, result.step,
+                             holder=f"{WRITER} train.keep_last (pid {os.getpid()})")
     return {"step": result.step, "path": result.path, "bytes": result.total_bytes,
             "seconds": result.seconds, "blocked_seconds": result.blocked_seconds,
-            "asynchronous": result.asynchronous, "removed": removed}
+            "asynchronous": result.asynchronous, "removed": pruned.removed,
+            "not_removed": list(pruned.left)}
 
 
 class StepSaver:
     """The saves of one rank of a run: synchronous, or with ``train.async_save`` in the
-    background. Every rank calls :meth:`after_step` after each step and :meth:`finish` once
-    training ended well (both are wait points of the checkpoint API: collective)."""
+    background. Every rank calls :meth:`after_step` after each step, :meth:`commit_if_written`
+    once the ranks have learned whether every rank's background write has finished (the run's
+    per-step exchange carries :meth:`written`), and :meth:`finish` once training ended well (all
+    three are wait points of the checkpoint API: collective). A background save is so committed
+    at the end of the first step after the last rank's write finished: a kill loses what a
+    synchronous save would, plus the steps the write overlapped. ``announce(step, path)`` is
+    called when a save starts (its commit is in the dict the call that commits it returns)."""
 
-    def __init__(self, cfg: RunConfig, model, optimizer, world: int, rank: int):
+    def __init__(self, cfg: RunConfig, model, optimizer, world: int, rank: int,
+                 announce: Optional[Callable[[int, str], None]] = None):
         self.cfg, self.model, self.optimizer = cfg, model, optimizer
         self.world, self.rank = world, rank
+        self.announce = announce
         self.pending = None         # the asynchronous save not committed yet
         self.started: Optional[dict] = None     # the save the last after_step started
 
     def after_step(self, steps_done: int) -> Optional[dict]:
         """Save when :func:`save_due`; the save committed by this call (synchronous: this step's;
-        asynchronous: the previous one's, which had to commit before the next starts), or None.
-        :attr:`started` says what an asynchronous save started."""
+        asynchronous: the previous one's when its write still ran, since it must commit before
+        the next starts), or None. :attr:`started` says what an asynchronous save started."""
         self.started = None
         if not save_due(self.cfg, steps_done):
             return None
+        path = str(step_dir(self.cfg.train.save_dir, steps_done))
         if not self.cfg.train.async_save:
+            self._announce(steps_done, path)
             return save_step(self.cfg, self.model, self.optimizer, steps_done, self.world,
                              self.rank)
         from hyper_parallel import checkpoint
         committed = self.finish()
-        self.pending = checkpoint.save(step_dir(self.cfg.train.save_dir, steps_done), self.model,
-                                       self.optimizer, step=steps_done,
+        self._announce(steps_done, path)
+        self.pending = checkpoint.save(path, self.model, self.optimizer, step=steps_done,
                                        extra=run_extra(self.cfg, self.world), async_save=True)
         self.started = {"step": steps_done, "path": self.pending.path}
         return committed
+
+    def written(self) -> bool:
+        """Whether this rank's background write of a save started before this step has finished
+        (False with none pending, and for one started by this step's :meth:`after_step`, so a
+        step commits at most one save)."""
+        return self.pending is not None and self.started is None and self.pending.done()
+
+    def commit_if_written(self, every_rank_written: bool) -> Optional[dict]:
+        """Commit the pending save when ``every_rank_written`` (every rank's :meth:`written`, as
+        the per-step exchange reported it: the same on every rank); its dict, or None."""
+        from hyper_parallel import checkpoint
+        if self.pending is None or not every_rank_written:
+            return None
+        if checkpoint.pending() is not self.pending:
+            raise CheckpointError(f"the background save of {self.pending.path} is no longer the "
+                                  "process's pending one: another save ran in between")
+        pending, self.pending = self.pending, None
+        return _committed(self.cfg, checkpoint.commit_ready(True), self.rank)
 
     def finish(self) -> Optional[dict]:
         """Commit the pending asynchronous save (the end of the run waits for it); its dict."""
         pending, self.pending = self.pending, None
         return None if pending is None else _committed(self.cfg, pending.wait(), self.rank)
+
+    def _announce(self, step: int, path: str) -> None:
+        if self.announce is not None:
+            self.announce(step, path)
 
 
 def resume(cfg: RunConfig, model, optimizer, world: int) -> dict:

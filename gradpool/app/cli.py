@@ -114,8 +114,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="per-card bandwidth between nodes, GB/s (default on Ascend: 25, one "
                            "200 Gb/s RoCE port per card; CPU: none)")
     plan.add_argument("--dispatcher", default=None,
-                      help="expert parallelism's token dispatcher, all-to-all or all-gather "
-                           "(default: all-to-all on Ascend, all-gather on CPU)")
+                      help="expert parallelism's token dispatcher to cost, all-to-all or "
+                           "all-gather (default: the run's, model.moe_dispatcher)")
     plan.set_defaults(command=_plan)
 
     export = command("export", help="write a checkpoint's model as one safetensors file that "

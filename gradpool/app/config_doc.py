@@ -101,6 +101,13 @@ MEANINGS = {
         "expert-parallel ranks per MoE layer: each holds `num_experts / expert_parallel` "
         "experts (1: every rank holds all); divides `num_experts`, `launch.ranks` and the "
         "mesh's shard size",
+    "model.moe_dispatcher":
+        "the token dispatcher of `expert_parallel > 1`: `all-to-all` sends each routed row only "
+        "to its expert's rank (`mint.distributed.all_to_all_single` on Ascend; off Ascend a "
+        "stand-in built from all-gathers, for tests), `all-gather` gathers the EP group's tokens "
+        "on every rank and reduce-scatters the outputs; `auto`: all-to-all on Ascend, all-gather "
+        "elsewhere. `gradpool plan` costs the same one. See "
+        "[expert parallelism](using-fully-shard.md#experts-on-their-own-sub-mesh-expert-parallelism)",
     "model.batch_size":
         "sequences per rank per micro-step (keep the global batch when the world size changes: "
         "4 at 2 ranks is 2 at 4 ranks)",
@@ -127,8 +134,12 @@ MEANINGS = {
     "train.async_save":
         "write each checkpoint in the background: the step waits only for a copy of the state "
         "in host memory; a save is committed (resumable, counted by `latest` and `keep_last`) "
-        "at the next save or the end of the run (see "
+        "at the end of the first step after every rank's write finished (see "
         "[Asynchronous save](checkpoints.md#asynchronous-save))",
+    "train.stop_save_grace_s":
+        "on SIGTERM, SIGINT or SIGHUP to the launcher, the seconds a save in progress gets to "
+        "finish and commit before every rank is stopped (the launcher prints it); 0: stop at "
+        "once (the save is left uncommitted, the previous step stays `latest`)",
     "train.verify_checkpoint":
         "check every checksum of `resume_from` before the launch and in the ranks' load; "
         "`false` (trusted storage) checks sizes, save ids and headers only and says so",

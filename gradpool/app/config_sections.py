@@ -12,6 +12,7 @@ from typing import Optional
 from gradpool import DTYPE_NAMES, SUPPORTED_DEVICES, GradPoolConfig
 from gradpool.app.config_rules import (Bool, Choice, EnvMapping, Int, ListOf, PositiveNumber,
                                        Text, _key, _Section)
+from gradpool.app.dispatchers import AUTO, DISPATCHERS
 from gradpool.app.errors import ConfigValueError
 from gradpool.device import blocks_launches_by_default
 
@@ -78,6 +79,8 @@ class ModelConfig(_Section):
     # E: each MoE layer's routed experts split over E expert-parallel ranks (1: every rank
     # holds every expert). EP groups are E consecutive ranks.
     expert_parallel: int = _key(1, Int(minimum=1))
+    # the token dispatcher of expert_parallel > 1 (gradpool.app.dispatchers)
+    moe_dispatcher: str = _key(AUTO, Choice((AUTO,) + DISPATCHERS))
 
     def _check_together(self, source: str) -> None:
         if self.hidden_size % self.num_heads:
@@ -115,8 +118,10 @@ class TrainConfig(_Section):
     # a step-<N> directory, or "latest": the newest committed, intact one under save_dir
     resume_from: Optional[str] = _key(None, Text(nullable=True))
     keep_last: Optional[int] = _key(None, Int(minimum=1, nullable=True))   # null: keep all
-    # write each checkpoint in the background (committed at the next save or the end of the run)
+    # write each checkpoint in the background (committed within a step of its last write)
     async_save: bool = _key(False, Bool())
+    # a stop signal to the launcher lets a save in progress commit for up to this long
+    stop_save_grace_s: int = _key(60, Int(minimum=0))
     # false: resume_from's checksums are not checked (said on stderr and in the ranks' logs)
     verify_checkpoint: bool = _key(True, Bool())
 

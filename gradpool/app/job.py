@@ -181,7 +181,8 @@ def _run_under_msrun(cfg: RunConfig, log_dir: Path, on_step: Optional[StepCallba
     if follower is not None:
         follower.start()
     try:
-        run_node(node_launch(cfg, log_dir), timeout=timeout, peer_dirs=peers)
+        run_node(node_launch(cfg, log_dir), timeout=timeout, peer_dirs=peers,
+                 stop_save_grace=cfg.train.stop_save_grace_s)
     except LaunchError as exc:
         local = range(launch.first_rank, launch.first_rank + launch.local_ranks)
         failed = [o for o in read_outcomes(log_dir, local) if o is not None and not o.ok]

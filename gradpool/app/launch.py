@@ -282,17 +282,19 @@ def run_ranks(script, args: Sequence[str] = (), nproc: int = 2, log_dir=None,
 
 def run_node(launch: NodeLaunch, timeout: float = 600,
              failure_grace: float = FAILURE_GRACE_SECONDS,
-             peer_dirs: Mapping[int, Path] = None) -> LaunchResult:
+             peer_dirs: Mapping[int, Path] = None, stop_save_grace: float = 0.0) -> LaunchResult:
     """Start ``launch`` (one node's msrun, or its workers) and wait for this node's ranks.
 
     ``peer_dirs`` maps other nodes to the directories their ranks report into, when this node
     can read them (a shared filesystem): a rank failing there ends this launch too, and its log
-    tail is in the error. Raises :class:`LaunchError` like :func:`run_ranks`."""
+    tail is in the error. ``stop_save_grace``: on a stop signal, the seconds a save in progress
+    gets to commit before the ranks are stopped. Raises :class:`LaunchError` like
+    :func:`run_ranks`."""
     _check_times(timeout, failure_grace)
     launch.log_dir.mkdir(parents=True, exist_ok=True)
     launch.report_dir.mkdir(parents=True, exist_ok=True)
     rank_report.remove_reports(launch.report_dir)   # an old run's exit codes would end this one
-    result = _run(launch, timeout, failure_grace, dict(peer_dirs or {}))
+    result = _run(launch, timeout, failure_grace, dict(peer_dirs or {}), stop_save_grace)
     if not result.ok:
         error = LaunchError(_failure_message(result))
         error.result = result

@@ -140,9 +140,12 @@ class MoE(nn.Cell):
         else:
             self.experts = LocalExperts({g: drawn[g] for g in
                                          local_experts(cfg.num_experts, ep.size, ep.rank)})
-        self.dispatch = dispatcher_for(ep)
+        self.dispatch = dispatcher_for(ep, cfg.moe_dispatcher)
         self._on = Tensor(1.0, ms.float32)
         self._off = Tensor(0.0, ms.float32)
+        # [num_experts] added to the logits for choosing the top k only, not to the weights
+        # (DeepSeek-V3's load-balancing bias); None: no bias. Tests set it to steer routing.
+        self.selection_bias: Optional[Tensor] = None
 
     def routing_weights(self, x: Tensor) -> Tensor:
         """[..., num_experts] weights: softmax over each token's top-k logits, 0 elsewhere.
@@ -154,7 +157,9 @@ class MoE(nn.Cell):
         logits = mint.matmul(x, self.router)
         # Only the indices of topk are used, so no gradient flows through it (nor needs to);
         # the router still learns through the softmax of the selected logits.
-        _, chosen = ops.topk(logits, self.top_k)
+        scores = logits if self.selection_bias is None \
+            else logits + self.selection_bias.astype(logits.dtype)
+        _, chosen = ops.topk(scores, self.top_k)
         selected = ops.one_hot(chosen, self.num_experts, self._on, self._off).sum(axis=-2)
         penalty = (1.0 - selected) * MASKED
         return mint.softmax(logits + penalty.astype(logits.dtype), dim=-1)

@@ -24,9 +24,9 @@ it routed. Its expert unit then reduces over the expert-data-parallel ranks (the
 the same experts) and divides by W, not W/E (``set_gradient_divide_factor``), so expert and
 dense gradients are averages over the same global batch.
 
-It runs on the collectives CPU has (an all-reduce-built reduce-scatter, all-gather). On Ascend
-the all-to-all dispatcher (:mod:`gradpool.app.moe_dispatch`) sends each routed row only to the
-rank holding its expert.
+It runs on the collectives CPU has (an all-reduce-built reduce-scatter, all-gather). The
+all-to-all dispatcher (:mod:`gradpool.app.moe_dispatch`, Ascend's default) sends each routed row
+only to the rank holding its expert; ``model.moe_dispatcher`` picks (:func:`dispatcher_for`).
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ import numpy as np
 from mindspore import Tensor, mint, nn, ops
 from mindspore.common._grad_function import _Function
 
+from gradpool.app.dispatchers import AUTO, resolve_dispatcher
 from gradpool.errors import InvalidArgumentError
 
 
@@ -197,13 +198,14 @@ class AllGatherDispatcher:
         return self._combine.apply(partial)
 
 
-def dispatcher_for(ep: Optional[ExpertParallel]):
-    """The dispatcher for this device: the all-gather one (every backend has its collectives);
-    ``GRADPOOL_MOE_DISPATCH=all_to_all`` on Ascend picks the all-to-all one."""
+def dispatcher_for(ep: Optional[ExpertParallel], choice: str = AUTO):
+    """The dispatcher of ``model.moe_dispatcher = choice`` on this device
+    (:func:`gradpool.app.dispatchers.resolve_dispatcher`: ``auto`` is the all-to-all one on
+    Ascend, the all-gather one elsewhere); None without expert parallelism."""
     if ep is None:
         return None
-    from gradpool.app.moe_dispatch import all_to_all_requested
-    if all_to_all_requested():
+    from gradpool.device import device_target
+    if resolve_dispatcher(choice, device_target()) == "all-to-all":
         from gradpool.app.moe_dispatch import AllToAllDispatcher
         return AllToAllDispatcher(ep)
     return AllGatherDispatcher(ep)

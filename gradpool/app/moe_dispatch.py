@@ -1,9 +1,11 @@
-"""The all-to-all token dispatcher for Ascend: each routed (token, expert) row goes only to the
-EP rank holding that expert, over ``mindspore.mint.distributed.all_to_all_single`` (documented
-for Ascend only: no CPU kernel, so this path is guarded by the device target and not run here).
+"""The all-to-all token dispatcher: each routed (token, expert) row goes only to the EP rank
+holding that expert, over the all-to-alls of :mod:`gradpool.app.moe_exchange`
+(``mindspore.mint.distributed.all_to_all_single`` on Ascend; on CPU a stand-in built from the
+all-gather CPU has, so this dispatcher runs on msrun ranks in tests/distributed/moe_cases*.py),
+which a run uses by ``model.moe_dispatcher`` (:mod:`gradpool.app.dispatchers`).
 
-The bookkeeping is NumPy, free of MindSpore, and tested on CPU by simulating the exchange
-(``tests/test_moe.py``):
+The bookkeeping is NumPy, free of MindSpore (``tests/test_moe.py`` also checks it against a
+simulated exchange):
 
 * :func:`plan_send` (source side): the routed pairs of this rank's N tokens, ordered by
   destination EP rank, then by expert, then by token; the rows to send, their experts, the
@@ -15,19 +17,19 @@ The bookkeeping is NumPy, free of MindSpore, and tested on CPU by simulating the
 A step: exchange the [E, n] per-expert counts (one small all-to-all), send the token rows, run
 each local expert on its received rows (unweighted), send the outputs back with the split sizes
 swapped, and on the source scale each by its routing weight and scatter-add into its token's
-row. The backward of an all-to-all is the all-to-all with the split sizes swapped.
+row. The backward of an all-to-all is the all-to-all with the split sizes swapped. A rank that
+receives no row runs its experts on one zero padding row (see moe_exchange), so its expert unit
+takes part in the step as on every other rank.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
+from mindspore import Tensor, ops
+from mindspore.common._grad_function import _Function
 
 from gradpool.errors import InvalidArgumentError
-
-ENV = "GRADPOOL_MOE_DISPATCH"          # "all_to_all" picks this dispatcher (Ascend only)
-
 
 @dataclass(frozen=True)
 class SendPlan:
@@ -73,71 +75,44 @@ def plan_receive(received_counts: np.ndarray, local: range) -> ReceivePlan:
                        positions={g: np.concatenate(p) for g, p in positions.items()})
 
 
-def all_to_all_requested() -> bool:
-    """``GRADPOOL_MOE_DISPATCH=all_to_all``: refused off Ascend, where MindSpore has no
-    all-to-all kernel; anything else (or unset) keeps the all-gather dispatcher."""
-    choice = os.environ.get(ENV, "all_gather")
-    if choice not in ("all_gather", "all_to_all"):
-        raise InvalidArgumentError(f"{ENV}={choice!r}: use all_gather or all_to_all")
-    if choice == "all_gather":
-        return False
-    from gradpool.device import device_target
-    if device_target() != "Ascend":
-        raise InvalidArgumentError(
-            f"{ENV}=all_to_all needs Ascend (mint.distributed.all_to_all_single has no CPU "
-            f"kernel); this process runs on {device_target()}: unset {ENV}")
-    return True
+class AllToAllDispatcher:
+    """The all-to-all dispatcher (module doc); same call as the all-gather one."""
 
-
-class AllToAllDispatcher:      # pragma: no cover - Ascend only (no NPU in this project's CI)
-    """The all-to-all dispatcher (module doc); same call as the all-gather one. Not run yet
-    (no NPU here). Known gap: a rank that receives no row at all has no row for its local
-    experts' padding row (see LocalExperts) and fails; the all-gather dispatcher has none."""
-
-    def __init__(self, ep):
+    def __init__(self, ep, exchange=None):
+        from gradpool.app.moe_exchange import exchange_for
         self.ep = ep
+        self.exchange = exchange if exchange is not None else exchange_for(ep)
 
-    def _exchange_function(self, out_rows, in_rows):
-        from mindspore import mint
-        from mindspore.common._grad_function import _Function
-        from mindspore.mint.distributed import all_to_all_single
-        group = self.ep.group
+    def _moved(self, send, receive):
+        """An autograd function sending the rows of its input by ``send`` and receiving by
+        ``receive``; its backward sends the gradient back with the two swapped."""
+        exchange = self.exchange
 
-        def exchange(x, receive, send):
-            out = mint.zeros((int(sum(receive)),) + tuple(x.shape[1:]), dtype=x.dtype)
-            all_to_all_single(out, x.contiguous(), [int(c) for c in receive],
-                              [int(c) for c in send], group=group)
-            return out
-
-        class Exchange(_Function):
+        class Moved(_Function):
             @staticmethod
             def forward(ctx, x):
-                return exchange(x, out_rows, in_rows)
+                return exchange.rows(x, send, receive)
 
             @staticmethod
             def backward(ctx, grad):
-                return exchange(grad, in_rows, out_rows)
+                return exchange.rows(grad, receive, send)
 
-        return Exchange
+        return Moved
 
-    def __call__(self, experts, flat, weights):
-        import mindspore as ms
-        from mindspore import Tensor, mint, ops
-        from mindspore.mint.distributed import all_to_all_single
-
+    def __call__(self, experts, flat: Tensor, weights: Tensor) -> Tensor:
         send = plan_send(weights.asnumpy(), self.ep.size)
         local = experts.indices
-        counts = mint.zeros((self.ep.size * len(local),), dtype=ms.int32)
-        all_to_all_single(counts, Tensor(send.per_expert.reshape(-1).astype(np.int32)),
-                          group=self.ep.group)
-        receive = plan_receive(counts.asnumpy().reshape(self.ep.size, len(local)), local)
-        there = self._exchange_function(receive.counts, send.counts).apply(
-            ops.gather(flat, Tensor(send.rows), 0))
+        received = self.exchange.counts(send.per_expert)            # [sources, n]
+        receive = plan_receive(received, local)
+        rows = Tensor(send.rows)
+        # a routed token has a non-zero weight (its largest top-k softmax weight is >= 1/k), so
+        # every rank sends at least one row per token: only the receiving side can be empty
+        there = self._moved(send.counts, receive.counts).apply(ops.gather(flat, rows, 0))
         mask = np.zeros((there.shape[0], weights.shape[1]), np.float32)
         for g, positions in receive.positions.items():
             mask[positions, g] = 1.0           # one expert per received row: unweighted output
         outputs = experts(there, Tensor(mask, dtype=flat.dtype))
-        back = self._exchange_function(send.counts, receive.counts).apply(outputs)
+        back = self._moved(receive.counts, send.counts).apply(outputs)
         scale = ops.gather_nd(weights, Tensor(np.stack([send.rows, send.experts], axis=1)))
-        return ops.unsorted_segment_sum(back * scale.reshape(-1, 1).astype(back.dtype),
-                                        Tensor(send.rows), flat.shape[0])
+        return ops.unsorted_segment_sum(back * scale.reshape(-1, 1).astype(back.dtype), rows,
+                                        flat.shape[0])

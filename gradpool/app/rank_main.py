@@ -23,7 +23,10 @@ With ``train.resume_from`` every rank loads the checkpoint before its first step
 ``resumed`` says what was read (rank 0's also by the whole job); with ``train.save_dir`` every
 rank saves when :func:`gradpool.app.checkpoints.save_due` says so, after the step's record is
 complete and before it is published, so the step's record (``saved``) and rank 0's ``job_steps``
-entry name the checkpoint (:mod:`gradpool.app.checkpoints`).
+entry name the checkpoint (:mod:`gradpool.app.checkpoints`). With ``train.async_save`` the step's
+exchange also carries whether each rank's background write has finished; the first step after
+every rank's has commits the save (its record names it). A rank publishes the save it has
+started and not committed (``save_in_flight``), which a stop signal lets commit first.
 
 Every rank also prints one line per step into its own log (msrun's ``worker_<rank>.log``), as
 mindformers does: ``step 3/5 loss 4.537 time 912.4 ms lr 1.000e-03 ...``.
@@ -72,6 +75,9 @@ JOB_STEPS, JOB = "job_steps", "job"      # rank 0 only: every rank's step counte
 STEP_FIELDS = (("seconds", float), ("bytes_copied", int), ("copy_gbps", float),
                ("new_allocations", int), ("high_water_bytes", int), ("stall_seconds", float),
                ("stalls", int))
+# the per-step exchange: the step's counters, and whether this rank's background write of a
+# pending save has finished (checkpoints.StepSaver.written)
+SYNC_FIELDS = STEP_FIELDS + (("save_written", int),)
 OUTCOME_FIELDS = (("ok", int), ("steps", int), ("verified_gradients", int),
                   ("launch_blocking", int), ("new_allocations", int), ("reuses", int),
                   ("bytes_reserved", int), ("high_water_bytes", int), ("bytes_copied", int),
@@ -152,30 +158,28 @@ def run_rank(cfg: RunConfig, out_dir, on_step: Optional[Callable] = None,
             if log_steps:
                 print(resumed_line(outcome.resumed), flush=True)
         reporter.publish(STEPS, steps)
-        saver = checkpoints.StepSaver(cfg, model, optimizer, world, rank)
-
-        def committed(saved: Optional[dict]) -> None:
-            if saved is not None:
-                outcome.saved.append(saved)
-                reporter.publish(checkpoints.LAST_CHECKPOINT, {"path": saved["path"],
-                                                                "step": saved["step"]})
+        saves = _RankSaves(checkpoints.StepSaver(cfg, model, optimizer, world, rank),
+                           reporter, outcome, log_steps)
 
         def write(record) -> None:
-            record.saved = saver.after_step(record.step + 1)
-            committed(record.saved)
+            record.saved = saves.saver.after_step(record.step + 1)
             steps.append(dataclasses.asdict(record))
             reporter.publish(STEPS, steps)
             outcome.steps = record.step + 1 - first_step
             if log_steps:
                 print(step_line(cfg, record, rank, world), flush=True)
-                if record.saved is not None:
-                    print(saved_line(record.saved), flush=True)
-                if saver.started is not None:
-                    print(f"saving step {saver.started['step']} to {saver.started['path']} in "
-                          "the background (train.async_save)", flush=True)
-            # every rank reaches this point of every step: rank 0 learns everyone's counters
-            rows = exchange(runtime.comm, [getattr(record, n) for n, _ in STEP_FIELDS],
-                            STEP_FIELDS)
+            saves.committed(record.saved)
+            saves.tell_started()
+            # every rank reaches this point of every step: rank 0 learns everyone's counters,
+            # and every rank whether every background write of a save has finished
+            rows = exchange(runtime.comm, [getattr(record, n) for n, _ in STEP_FIELDS]
+                            + [int(saves.saver.written())], SYNC_FIELDS)
+            ready = saves.saver.commit_if_written(all(row[-1] for row in rows))
+            if ready is not None:
+                record.saved = steps[-1]["saved"] = ready     # at most one commit a step
+                reporter.publish(STEPS, steps)
+                saves.committed(ready)
+            rows = [row[:-1] for row in rows]
             if rank == 0:
                 reporter.publish_entry(JOB_STEPS, str(record.step), {
                     "step": record.step, "loss": record.loss, "saved": record.saved,
@@ -184,10 +188,7 @@ def run_rank(cfg: RunConfig, out_dir, on_step: Optional[Callable] = None,
                 on_step(record)
         train_sharded(cfg, model, runtime.comm, runtime.pool, on_step=write,
                       optimizer=optimizer, first_step=first_step)
-        final = saver.finish()          # the end of the run commits a background save
-        committed(final)
-        if log_steps and final is not None:
-            print(saved_line(final), flush=True)
+        saves.committed(saves.saver.finish())   # the end of the run commits a background save
     except Exception as exc:  # noqa: BLE001 - the process boundary: record, then report
         outcome.status = STATUS_FAILED
         outcome.error_type = type(exc).__name__
@@ -207,6 +208,38 @@ def run_rank(cfg: RunConfig, out_dir, on_step: Optional[Callable] = None,
         # waiting in it are stopped by the launcher; their outcome is on file already.
         _publish_job(cfg, reporter, runtime.comm, outcome)
     return outcome
+
+
+class _RankSaves:
+    """A rank's saves as its report and its log show them: the save in flight
+    (``checkpoints.SAVE_IN_FLIGHT``, which a stop signal waits for), the last committed one
+    (``checkpoints.LAST_CHECKPOINT``), the outcome's list and the log's lines."""
+
+    def __init__(self, saver, reporter, outcome: RankOutcome, log_steps: bool):
+        self.saver, self.reporter = saver, reporter
+        self.outcome, self.log_steps = outcome, log_steps
+        saver.announce = self._announce
+
+    def committed(self, saved: Optional[dict]) -> None:
+        """Record a committed save (None: nothing was)."""
+        if saved is None:
+            return
+        self.outcome.saved.append(saved)
+        self.reporter.publish(checkpoints.LAST_CHECKPOINT, {"path": saved["path"],
+                                                             "step": saved["step"]})
+        if self.saver.pending is None and self.saver.started is None:
+            self.reporter.publish(checkpoints.SAVE_IN_FLIGHT, None)
+        if self.log_steps:
+            print(saved_line(saved), flush=True)
+
+    def tell_started(self) -> None:
+        started = self.saver.started
+        if self.log_steps and started is not None:
+            print(f"saving step {started['step']} to {started['path']} in the background "
+                  "(train.async_save)", flush=True)
+
+    def _announce(self, step: int, path: str) -> None:
+        self.reporter.publish(checkpoints.SAVE_IN_FLIGHT, {"path": path, "step": step})
 
 
 def prepare_process(launch: LaunchConfig) -> None:

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
+from gradpool.app import lifeline
 from gradpool.errors import InvalidArgumentError
 
 ENV_DIR = "GRADPOOL_RANK_REPORT_DIR"
@@ -59,6 +60,9 @@ class RankReport:
     updated: float = 0.0            # time.time() of the latest write
     results: dict = field(default_factory=dict)
     format: str = FORMAT
+    # the process's start time (lifeline.process_start): a pid the kernel reused for another
+    # process is never taken for this rank's (None: no /proc, or a report written before)
+    pid_start: Optional[str] = None
 
     @classmethod
     def from_dict(cls, data: dict) -> "RankReport":
@@ -144,7 +148,8 @@ class Reporter:
         self.directory = Path(directory)
         self.report = RankReport(rank=rank, world_size=world_size, pid=os.getpid(),
                                  role=os.environ.get("MS_ROLE", "") if role is None else role,
-                                 started=now, updated=now)
+                                 started=now, updated=now,
+                                 pid_start=lifeline.process_start(os.getpid()))
         self._encoded: dict = {}      # key -> JSON text, or {entry name -> JSON text}
         self._write()
 

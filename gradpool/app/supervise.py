@@ -11,7 +11,8 @@ rank's process alive), and after killing the other workers it waits for MindSpor
 which waits out the dead node's heartbeat timeout.
 
 SIGTERM, SIGHUP and SIGINT to the launcher stop msrun and every rank too (:mod:`gradpool.app.lifeline`:
-msrun and the ranks run in sessions of their own, so the signal reaches only the launcher); the
+msrun and the ranks run in sessions of their own, so the signal reaches only the launcher), once
+a save in progress has finished and committed, or ``train.stop_save_grace_s`` has passed; the
 launch then ends with :class:`~gradpool.app.lifeline.LaunchInterrupted` (status 128 + the
 signal) after one logged line naming what was stopped and the last committed checkpoint.
 """
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from gradpool.app import lifeline, rank_report
-from gradpool.app.checkpoints import LAST_CHECKPOINT
+from gradpool.app.checkpoints import LAST_CHECKPOINT, SAVE_IN_FLIGHT
 from gradpool.app.lifeline import LaunchInterrupted
 from gradpool.app.rank_report import RankReport
 from gradpool.errors import InvalidArgumentError
@@ -170,7 +171,8 @@ class _Watch:
 _TIMED_OUT, _STOPPED = "timed out", "stopped"      # _supervise's outcomes besides a code
 
 
-def _run(launch, timeout: float, failure_grace: float, peers: dict) -> LaunchResult:
+def _run(launch, timeout: float, failure_grace: float, peers: dict,
+         stop_save_grace: float = 0.0) -> LaunchResult:
     logger.info("launching ranks %s: %s", list(launch.spec.ranks),
                 " ".join(launch.command))
     watch = _Watch(launch, peers)
@@ -179,7 +181,8 @@ def _run(launch, timeout: float, failure_grace: float, peers: dict) -> LaunchRes
     signals = lifeline.StopSignals()
     try:
         with signals:
-            returncode = _supervise(launch, procs, watch, signals, timeout, failure_grace)
+            returncode = _supervise(launch, procs, watch, signals, timeout, failure_grace,
+                                    stop_save_grace)
     except BaseException:
         _stop(procs, launch, via_msrun=launch.via_msrun)     # leave nothing running
         raise
@@ -207,10 +210,11 @@ def _run(launch, timeout: float, failure_grace: float, peers: dict) -> LaunchRes
 
 
 def _supervise(launch, procs: list, watch: "_Watch", signals, timeout: float,
-               failure_grace: float):
+               failure_grace: float, stop_save_grace: float = 0.0):
     """Start the launch's processes into ``procs`` and watch them until they end (their return
     code), a rank fails and the grace passes or the launch times out (stopped: ``_STOPPED``,
-    ``_TIMED_OUT``), or a stop signal arrives (stopped, ``signals.signum`` set)."""
+    ``_TIMED_OUT``), or a stop signal arrives (stopped, ``signals.signum`` set, after a save in
+    progress had up to ``stop_save_grace`` seconds to commit)."""
     start = time.monotonic()
     failed_at = None
     # Once every rank of a one-node job has ended well, the launcher ends msrun, whose scheduler
@@ -228,6 +232,7 @@ def _supervise(launch, procs: list, watch: "_Watch", signals, timeout: float,
                                           start_new_session=True))
     while True:
         if signals.signum is not None:
+            _let_save_commit(launch, procs, signals.signum, stop_save_grace)
             _stop(procs, launch, via_msrun=launch.via_msrun, grace=_INTERRUPT_GRACE_SECONDS)
             return _STOPPED
         if _all_ended(procs, POLL_SECONDS):
@@ -263,12 +268,48 @@ def _interrupted(launch, procs: list, signum: int) -> LaunchInterrupted:
             else f"rank(s) {ranks}")
     left = [r.pid for r in rank_report.read_ranks(launch.report_dir, launch.spec.ranks,
                                                   results=False)
-            if r is not None and pid_alive(r.pid)]
+            if r is not None and still_ours(r)]
     where = f"; processes still ending: {left}" if left else ", no process of the launch left"
     message = (f"{name}: stopped {what}{where}; last committed checkpoint: "
                f"{_last_checkpoint(launch)}; logs in {launch.log_dir}")
     logger.warning("%s", message)
     return LaunchInterrupted(signum, message)
+
+
+def _saves_in_flight(launch) -> dict[int, int]:
+    """``{rank: step}`` of this node's running ranks that have a save started and not committed
+    (rank_main publishes it: ``checkpoints.SAVE_IN_FLIGHT``)."""
+    found = {}
+    for report in rank_report.read_ranks(launch.report_dir, launch.spec.ranks):
+        if report is None or report.exit_code is not None or not still_ours(report):
+            continue
+        saving = (report.results or {}).get(SAVE_IN_FLIGHT)
+        if isinstance(saving, dict):
+            found[report.rank] = saving["step"]
+    return found
+
+
+def _let_save_commit(launch, procs: list, signum: int, grace: float) -> None:
+    """A stop signal came. If a rank of this node has a save in progress, give it up to
+    ``grace`` seconds to finish and commit (a background save commits at the end of the first
+    step after every rank's write finished; the ranks train on meanwhile, and a save they start
+    later is not waited for), saying so; then the caller stops every rank."""
+    in_flight = _saves_in_flight(launch) if grace > 0 else {}
+    if not in_flight:
+        return
+    name, step = signal.Signals(signum).name, max(in_flight.values())
+    logger.warning("%s: letting the save of step %d finish and commit before stopping the ranks "
+                   "(up to %.0f s: train.stop_save_grace_s)", name, step, grace)
+    start = time.monotonic()
+    while time.monotonic() - start < grace:
+        if all(saved > step for saved in _saves_in_flight(launch).values()):
+            logger.warning("%s: the save of step %d committed after %.1f s", name, step,
+                           time.monotonic() - start)
+            return
+        if _all_ended(procs, 0.2):
+            return
+    logger.warning("%s: the save of step %d did not commit within %.0f s "
+                   "(train.stop_save_grace_s); it stays uncommitted", name, step, grace)
 
 
 def _last_checkpoint(launch) -> str:
@@ -399,13 +440,38 @@ def _stop(procs: list, launch, via_msrun: bool,
         try:
             proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
+            # our child, not reaped yet: its pid cannot have been given to another process
             _kill_group(proc.pid)
             proc.wait()
     # Workers run in their own sessions (msrun starts them with setsid): kill any left by pid,
-    # also one that recorded its exit but hangs in it.
+    # also one that recorded its exit but hangs in it; only while the pid is still the rank's.
     for report in rank_report.read_ranks(launch.report_dir, launch.spec.ranks, results=False):
-        if report is not None and pid_alive(report.pid):
-            _kill_group(report.pid)
+        if report is not None:
+            kill_rank(report)
+
+
+def still_ours(report: RankReport) -> bool:
+    """Whether ``report``'s pid is still the rank's process: alive, and started when the rank
+    said it did (``pid_start``, as :mod:`~gradpool.app.lifeline` checks the launcher). A rank
+    that died may have its pid reused by an unrelated process; a report without a start time
+    cannot prove it, so it is not ours to kill."""
+    if report.pid_start is None:
+        return False
+    return lifeline.process_start(report.pid) == report.pid_start
+
+
+def kill_rank(report: RankReport) -> bool:
+    """Kill the process group of ``report``'s rank if its pid is :func:`still_ours`; whether it
+    was signalled. (The start time is read just before the kill: a pid is reused only after the
+    kernel has handed out every other one, far longer than that gap.)"""
+    if not still_ours(report):
+        if report.pid_start is None and pid_alive(report.pid):
+            logger.warning("rank %d: process %d is alive, but its report has no start time to "
+                           "tell it from another process that got its pid; not killed",
+                           report.rank, report.pid)
+        return False
+    _kill_group(report.pid)
+    return True
 
 
 def _kill_group(pid: int) -> None:

@@ -58,7 +58,7 @@ VERSION = 2
 _PIECES_KEY = "gradpool.pieces"
 _SAVE_ID_KEY = "gradpool.save_id"
 CHECKSUM = "xxh3_64"
-_GENERATION_PREFIX = "gen-"
+GENERATION_PREFIX = "gen-"
 _RANK_FILE = re.compile(r"gen-(\d{8})/rank-(\d{5})\.safetensors")
 # safetensors' names of the dtypes above (the header's "dtype")
 _FILE_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64",
@@ -192,11 +192,11 @@ def _check_name(name, where: Path, key: Optional[str], generation: Optional[int]
 
 
 def generation_dir(root: Path, generation: int) -> Path:
-    return root / f"{_GENERATION_PREFIX}{generation:08d}"
+    return root / f"{GENERATION_PREFIX}{generation:08d}"
 
 
 def rank_file(generation: int, rank: int) -> str:
-    return f"{_GENERATION_PREFIX}{generation:08d}/rank-{rank:05d}.safetensors"
+    return f"{GENERATION_PREFIX}{generation:08d}/rank-{rank:05d}.safetensors"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -308,8 +308,8 @@ def read_index(root: Path) -> Index:
 
 def _generations(root: Path) -> list[int]:
     numbers = []
-    for child in root.glob(f"{_GENERATION_PREFIX}*"):
-        suffix = child.name[len(_GENERATION_PREFIX):]
+    for child in root.glob(f"{GENERATION_PREFIX}*"):
+        suffix = child.name[len(GENERATION_PREFIX):]
         if suffix.isdigit():
             numbers.append(int(suffix))
     return numbers

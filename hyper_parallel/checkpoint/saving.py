@@ -15,7 +15,9 @@ A save runs in four parts:
 
 A synchronous save runs the four in the call. ``async_save=True`` runs 1 and 2 in the call,
 3 on a background thread, and 4 at the next *wait point*: the next :func:`save`, a
-:func:`hyper_parallel.checkpoint.load`, :func:`wait` or the handle's :meth:`AsyncSave.wait`.
+:func:`hyper_parallel.checkpoint.load`, :func:`wait` or the handle's :meth:`AsyncSave.wait`, or
+:func:`commit_ready` once every rank's write has finished (a training loop calls it after each
+step, so a save is committed within one step of its last write, not at the next save).
 The collectives stay on the caller's thread, in the program order every rank follows: the
 background thread writes one file and calls no communicator, so it never runs a collective
 next to the training's. Waiting is therefore collective too: every rank must reach the same
@@ -392,6 +394,23 @@ def wait() -> Optional[SaveResult]:
     """Commit the pending asynchronous save, if there is one (collective: every rank calls it);
     its result, or None. Raises its :class:`CheckpointError` when its write failed."""
     return _PENDING.wait() if _PENDING is not None else None
+
+
+def commit_ready(written_everywhere: Optional[bool] = None) -> Optional[SaveResult]:
+    """Commit the pending asynchronous save if every rank's write has finished, else leave it
+    running; its result, or None. Collective: every rank calls it at the same point (a training
+    loop, after every step), and all of them commit or none. ``written_everywhere``: whether every
+    rank's ``pending().done()`` was true, when the caller already learned it in a collective of
+    its own (``gradpool train`` rides it on its per-step exchange); None asks the ranks with one
+    small all-reduce. The commits happen on the caller's thread, where every collective of the
+    program runs in the same order on every rank: a background thread cannot run one next to the
+    training's."""
+    if _PENDING is None:
+        return None
+    if written_everywhere is None:
+        comm = _PENDING._save.comm
+        written_everywhere = all_sum(comm, 1.0 if _PENDING.done() else 0.0) == comm.world_size
+    return _PENDING.wait() if written_everywhere else None
 
 
 @atexit.register

@@ -826,9 +826,9 @@ def gathers_straight_into_the_buffers(ctx: Context) -> dict:
     world, float32 compute) is all-gathered into its buffer, the others through a temporary;
     values as with resharding off."""
     import hyper_parallel.platform.mindspore.fully_shard.param as param_module
-    import hyper_parallel.platform.mindspore.fully_shard.state as state_module
+    import hyper_parallel.platform.mindspore.fully_shard.unit_memory as memory_module
     launched, in_unit = {}, []
-    launch_all, launch_one = state_module.launch_all_gather, param_module._launch_one_gather
+    launch_all, launch_one = memory_module.launch_all_gather, param_module._launch_one_gather
 
     def unit_gather(*args, buffers=None, **kwargs):     # a unit's gather (it passes buffers)
         in_unit.append(buffers is not None)
@@ -842,12 +842,12 @@ def gathers_straight_into_the_buffers(ctx: Context) -> dict:
             launched.setdefault(param.name, set()).add(into is not None)
         return launch_one(param, local, into)
 
-    state_module.launch_all_gather, param_module._launch_one_gather = unit_gather, recording
+    memory_module.launch_all_gather, param_module._launch_one_gather = unit_gather, recording
     models = []
     try:
         checks = reshard_checks(FIELD, ["train.steps=1"], prepare=models.append)
     finally:
-        state_module.launch_all_gather, param_module._launch_one_gather = launch_all, launch_one
+        memory_module.launch_all_gather, param_module._launch_one_gather = launch_all, launch_one
     shapes = {p.name: tuple(p.hsdp_param.orig_shape) for p in models[0].trainable_params()}
     got = {name: sorted(flags) for name, flags in launched.items()}
     expected = {name: [shapes[name][0] % ctx.world_size == 0] for name in launched}

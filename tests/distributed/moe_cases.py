@@ -3,7 +3,9 @@
 each layer's experts a unit on the expert-data-parallel sub-mesh, divide factor W) against the
 E=1 model unsharded in one process on the global batch: every gradient at every step, the losses
 and every parameter after 3 SGD steps; the rows each rank's experts compute against the
-reference's routing; the divide factor's guard and its bad values.
+reference's routing; the divide factor's guard and its bad values. The all-to-all dispatcher
+(its CPU stand-in exchange) the same way and against the all-gather dispatcher trained beside
+it, with a routing that sends no token to EP rank 1; and the stand-in exchange itself.
 
 Tolerance (``TOL``): float32 values whose only difference from the reference is summation
 order: the dispatcher's reduce-scatter adds the EP ranks' partial outputs (a row's two expert
@@ -21,6 +23,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Optional
 
 import mindspore as ms
 import numpy as np
@@ -59,12 +62,15 @@ class Run:
     experts: int = 4
     top_k: int = 2
     wrong_factor: bool = False   # leave the experts' default ("avg" over the EDP ranks)
+    dispatcher: str = "all-gather"
+    starve: Optional[int] = None  # this EP rank's experts get no token (selection bias)
 
 
 def config(run: Run, world: int):
     overrides = BASE + MODES[run.mode] + [
         f"launch.ranks={world}", f"model.expert_parallel={run.ep}",
-        f"model.num_experts={run.experts}", f"model.experts_per_token={run.top_k}"]
+        f"model.num_experts={run.experts}", f"model.experts_per_token={run.top_k}",
+        f"model.moe_dispatcher={run.dispatcher}"]
     if run.mesh:
         overrides += [f"fully_shard.mesh_shape={list(run.mesh)}",
                       "fully_shard.mesh_dim_names=[dp_replicate, fsdp]"]
@@ -82,25 +88,60 @@ def _close(got, want) -> dict:
     return allclose(got, want, rtol=0.0, atol=TOL * scale)
 
 
+def starve(model, run: Run) -> None:
+    """Route no token to EP rank ``run.starve``'s experts, in every MoE layer of ``model``: a
+    selection bias far below any logit on them (the weights, and so the values, stay the
+    softmax of the chosen logits; the reference gets the same bias)."""
+    if run.starve is None:
+        return
+    per_rank = run.experts // run.ep
+    bias = np.zeros(run.experts, np.float32)
+    bias[run.starve * per_rank:(run.starve + 1) * per_rank] = -1e4
+    for layer in model.layers:
+        layer.moe.selection_bias = ms.Tensor(bias)
+
+
+def _starved_checks(ctx, run: Run, model, step: int) -> dict:
+    """On a starved rank, its experts ran on the padding row only (no row routed to them)."""
+    if run.starve is None or ctx.rank % run.ep != run.starve:
+        return {}
+    return {f"step {step} layer {i} starved: no row, padding only": equal(
+        (layer.moe.experts.last.routed, layer.moe.experts.last.padding),
+        (0, run.experts // run.ep)) for i, layer in enumerate(model.layers)}
+
+
 def train_and_compare(ctx, run: Run) -> dict:
+    """Train the EP model against the E=1 reference (every gradient, the losses, every
+    parameter after the steps); with the all-to-all dispatcher, also against the same EP model
+    with the all-gather dispatcher, trained beside it."""
     cfg = config(run, ctx.world_size)
     model = build_sharded_model(cfg)
+    twin = (build_sharded_model(config(replace(run, dispatcher="all-gather"), ctx.world_size))
+            if run.dispatcher == "all-to-all" else None)
     if run.wrong_factor:
         for layer in model.layers:
             layer.moe.experts.set_reduce_op_type("avg")
     ref = TinyDeepSeekV3(replace(cfg.model, expert_parallel=1), seed=cfg.train.seed)
+    for net in (model, twin, ref):
+        if net is not None:
+            starve(net, run)
     params = model.trainable_params()
+    twin_params = twin.trainable_params() if twin is not None else []
     ref_by_name = {p.name: p for p in ref.trainable_params()}
     ref_params = [ref_by_name[p.name] for p in params]    # the experts this rank holds
     others = [p for p in ref.trainable_params() if p.name not in {q.name for q in params}]
     grad_fn = ms.value_and_grad(lambda t: next_token_loss(model, t), None, params)
+    twin_fn = (ms.value_and_grad(lambda t: next_token_loss(twin, t), None, twin_params)
+               if twin is not None else None)
     ref_fn = ms.value_and_grad(lambda t: next_token_loss(ref, t), None,
                                ref_params + others)
-    checks, losses, ref_losses = {}, [], []
+    checks, losses, twin_losses, ref_losses = {}, [], [], []
     for step in range(STEPS):
+        batch = ms.Tensor(make_batch_np(cfg.model, step, ctx.rank, ctx.world_size,
+                                        seed=cfg.train.seed))
         model.zero_grad()
-        loss, grads = grad_fn(ms.Tensor(make_batch_np(cfg.model, step, ctx.rank, ctx.world_size,
-                                                      seed=cfg.train.seed)))
+        loss, grads = grad_fn(batch)
+        checks.update(_starved_checks(ctx, run, model, step))
         ref_loss, ref_grads = ref_fn(ms.Tensor(global_batch_np(cfg.model, step, ctx.world_size,
                                                                seed=cfg.train.seed)))
         got = [p.main_grad for p in params] if run.mode != "plain" else list(grads)
@@ -110,10 +151,18 @@ def train_and_compare(ctx, run: Run) -> dict:
             if not managed.replicate:
                 want = np_chunk(want, managed.shard_dim, managed.rank, managed.world_size)
             checks[f"step {step} grad {param.name}"] = _close(g, want)
-        buf = ms.Tensor(np.array([float(loss.asnumpy())], np.float32))
-        ctx.comm.all_reduce(buf, op="avg").wait()
-        losses.append(float(buf.asnumpy()[0]))
+        losses.append(_mean_over_ranks(ctx, loss))
         ref_losses.append(float(ref_loss.asnumpy()))
+        if twin is not None:
+            twin.zero_grad()
+            twin_loss, twin_grads = twin_fn(batch)
+            twin_got = ([p.main_grad for p in twin_params] if run.mode != "plain"
+                        else list(twin_grads))
+            for param, g, want in zip(params, got, twin_got):
+                checks[f"step {step} grad {param.name} = all-gather dispatcher's"] = _close(
+                    g, want.asnumpy())
+            twin_losses.append(_mean_over_ranks(ctx, twin_loss))
+            _sgd(twin_params, twin_got)
         _sgd(params, got)
         _sgd(ref_params + others, ref_grads)
     model.zero_grad()
@@ -121,8 +170,21 @@ def train_and_compare(ctx, run: Run) -> dict:
     full = gathered_params(model)
     for name, value in full.items():
         checks[f"after {STEPS} steps {name}"] = _close(value, ref_by_name[name].asnumpy())
+    if twin is not None:
+        twin.zero_grad()
+        checks["losses = all-gather dispatcher's"] = allclose(
+            np.array(losses), np.array(twin_losses), rtol=TOL, atol=0.0)
+        for name, value in gathered_params(twin).items():
+            checks[f"after {STEPS} steps {name} = all-gather dispatcher's"] = _close(
+                full[name], value)
     checks["pool holds no lease"] = equal(runtime_for(cfg.gradpool).pool.stats().live_leases, 0)
     return checks
+
+
+def _mean_over_ranks(ctx, loss) -> float:
+    buf = ms.Tensor(np.array([float(loss.asnumpy())], np.float32))
+    ctx.comm.all_reduce(buf, op="avg").wait()
+    return float(buf.asnumpy()[0])
 
 
 def wrong_factor_caught(ctx, run: Run) -> dict:
@@ -205,10 +267,48 @@ def divide_factor_bad_values(ctx) -> dict:
                                             "gradient divide factor", repr(bad))
     experts.set_gradient_divide_factor(3)
     state = experts.__dict__["_hsdp_state"]
-    checks["set"] = equal((state.gradient_divide_factor, state._wire_op()), (3.0, "sum"))
+    checks["set"] = equal(
+        (state.settings.gradient_divide_factor, state.reduce_path._wire_op()), (3.0, "sum"))
     experts.set_reduce_op_type("avg")
     checks["set_reduce_op_type replaces it"] = equal(
-        (state.gradient_divide_factor, state._wire_op()), (None, "avg"))
+        (state.settings.gradient_divide_factor, state.reduce_path._wire_op()), (None, "avg"))
+    return checks
+
+
+def all_to_all_stand_in(ctx) -> dict:
+    """The CPU stand-in for all_to_all_single (gradpool.app.moe_exchange) over the world group,
+    against the blocks each rank addressed to this one (built here from the same rule): rank 0
+    sends nothing (its input is one padding row), the last rank receives nothing (it gets one
+    zero row); then the counts exchange, and a receive count that disagrees with the senders'
+    split sizes, refused on every rank (which then exchange again, in step)."""
+    from gradpool.app.moe_exchange import GatheredAllToAll
+    from gradpool.errors import CommError
+    world, me = ctx.world_size, ctx.rank
+
+    def count(s, d):
+        return 0 if s == 0 or d == world - 1 else (s + d) % 3 + 1
+
+    def block(s, d):
+        return np.array([[100 * s + 10 * d + j, -j, 0.5] for j in range(count(s, d))],
+                        np.float32).reshape(-1, 3)
+
+    exchange = GatheredAllToAll(ctx.comm)
+    send = [count(me, d) for d in range(world)]
+    receive = [count(s, me) for s in range(world)]
+    x = np.concatenate([block(me, d) for d in range(world)] + [np.full((1, 3), 7, np.float32)])
+    got = exchange.rows(ms.Tensor(x), send, receive)
+    want = np.concatenate([block(s, me) for s in range(world)])
+    checks = {"rows": allclose(got, want if want.size else np.zeros((1, 3)), rtol=0, atol=0)}
+    table = np.array([[10 * me + d, d] for d in range(world)], np.int64)      # [destination, 2]
+    checks["counts"] = equal(exchange.counts(table).tolist(),
+                             [[10 * s + me, me] for s in range(world)])
+    wrong = [c + (s == world - 1) for s, c in enumerate(receive)]
+    checks["a disagreeing receive count is refused"] = raises(
+        CommError, lambda: exchange.rows(ms.Tensor(x), send, wrong), "counts exchange",
+        f"({world - 1}, ")
+    # refused on every rank alike, so the ranks are still in step
+    checks["rows again"] = allclose(exchange.rows(ms.Tensor(x), send, receive),
+                                    want if want.size else np.zeros((1, 3)), rtol=0, atol=0)
     return checks
 
 
@@ -219,6 +319,9 @@ def add_cases(into: Suite, tag: str, run: Run, modes=tuple(MODES)) -> None:
 
 
 add_cases(suite, "ep2", Run(ep=2))
+add_cases(suite, "ep2_all_to_all_rank1_starved", Run(ep=2, dispatcher="all-to-all", starve=1),
+          ("main_async",))
+suite.case(all_to_all_stand_in)
 suite.add("ep2_wrong_divide_factor_is_caught", lambda ctx: wrong_factor_caught(ctx, Run(ep=2)))
 suite.add("ep2_routed_rows_match_reference",
           lambda ctx: routed_rows_match_reference(ctx, Run(ep=2)))

@@ -29,7 +29,7 @@ import numpy as np
 import mindspore as ms
 
 from gradpool.testing import FaultInjectingCommunicator
-from gradpool.errors import CommError
+from gradpool.errors import CollectiveError
 from gradpool.layout import ReduceScatterLayout
 from gradpool.dtypes import itemsize
 from gradpool.pool import BucketPool
@@ -641,17 +641,21 @@ def _fail_wait(error, all_reduce: bool):
             return reducer.reduce_scatter(grads, SHARD_DIMS, op=op)
 
         failing = reduce("sum")
-        expected_type = CommError if error is True else type(error)
+        kind = "all_reduce" if all_reduce else "reduce_scatter"
         expected_text = "injected failure" if error is True else str(error)
-        checks = {"wait_raises_to_caller": raises(expected_type, failing.wait, expected_text)}
+        checks = {"wait_raises_typed_naming_the_collective": raises(
+            CollectiveError, failing.wait, f"{kind} of 1 gradient(s) [0]", expected_text)}
         after_fail = pool.stats()
         checks["no_live_lease_after_failure"] = equal(after_fail.live_leases, 0)
         failing.release()          # already released by the failed wait(): a no-op
         pool.wait_all()
+        # every bucket of a collective that failed is quarantined: all of them fail here
+        quarantined = [b for b in pool._buckets if b.state == "quarantined"]
         recycled = pool.stats()
-        checks["fenced_buckets_recycle"] = equal(
-            [recycled.fenced_buckets, recycled.live_leases, recycled.free_buckets],
-            [0, 0, recycled.new_allocations])
+        checks["failed_buckets_quarantined"] = equal(
+            [recycled.fenced_buckets, recycled.live_leases, recycled.free_buckets,
+             recycled.quarantined_buckets],
+            [0, 0, 0, recycled.new_allocations])
         faulty.fail_wait = None    # the fault clears: the same pool and reducer work again
         retry = reduce("avg")
         outputs = retry.wait()
@@ -659,13 +663,17 @@ def _fail_wait(error, all_reduce: bool):
             checks.update(full_checks(ctx, outputs, SHAPES, "avg", [12], ms.float32))
         else:
             checks.update(shard_checks(ctx, outputs, SHAPES, SHARD_DIMS, "avg", [12], ms.float32))
-        # Every retry input (one per gradient) fits a recycled input bucket of the failed run.
-        checks["retry_reused_recycled_buckets"] = equal(
-            pool.stats().reuses - recycled.reuses >= len(SHAPES), True)
+        # The retry never leases a quarantined bucket: all of its buckets are new.
+        checks["retry_never_reuses_quarantined_buckets"] = equal(
+            [pool.stats().reuses - recycled.reuses,
+             all(b.state == "quarantined" and b.lease is None for b in quarantined)], [0, True])
         checks["no_nan"] = equal(has_nan(outputs), False)
         retry.release()
         checks.update(intact_checks(grads, before, "after_failure_and_retry"))
-        checks.update(after_release_checks(pool, grads, before))
+        checks.update(after_release_checks(pool, grads, before))      # trims: frees them
+        checks["quarantine_freed_by_trim"] = equal(
+            [pool.stats().quarantined_buckets, [b.tensor.untyped_storage().size()
+                                                for b in quarantined]], [0, [0] * len(quarantined)])
         return checks
     return case
 

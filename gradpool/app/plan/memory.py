@@ -279,7 +279,7 @@ def plan_memory(cfg: RunConfig, options: PlanOptions = PlanOptions(),
         state_and_pool_bytes=state_and_pool, with_one_unit_bytes=state_and_pool + 2 * gathered,
         gathered_at_once_bytes=at_once, as_implemented_bytes=state_and_pool + at_once + gathered)
     notes = _notes(cfg, pool_plan)
-    dispatcher = options.dispatcher_for(cfg.launch.device)
+    dispatcher = options.dispatcher_for(cfg.model.moe_dispatcher, cfg.launch.device)
     activations = plan_activations(cfg, geo.compute_dtype, dispatcher)
     fit = _fit(context, activations, cfg.train.micro_steps)
     intra, inter = options.bandwidths(cfg.launch.device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from gradpool.app.dispatchers import DISPATCHERS, resolve_dispatcher
 from gradpool.errors import InvalidArgumentError, check_positive_number
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -19,10 +20,6 @@ DEVICE_MEMORY_GIB = {"Ascend": 64.0}     # the 910B's HBM; CPU: none assumed
 # cards of a server, and one 200 Gb/s RoCE port per card between servers (200 / 8 = 25 GB/s).
 INTRA_NODE_GBPS = {"Ascend": 392.0}
 INTER_NODE_GBPS = {"Ascend": 25.0}
-DISPATCHERS = ("all-to-all", "all-gather")
-# the token dispatcher the model uses where no --dispatcher is given: all-to-all on Ascend
-# (mint.distributed.all_to_all_single), all-gather + reduce-scatter on CPU (the collectives it has)
-DEFAULT_DISPATCHER = {"Ascend": "all-to-all"}
 MEGATRON_PARAM_ALIGN = 64       # elements (Megatron-Core's param_and_grad_buffer)
 MEGATRON_BUCKET_ALIGN = 128
 HCCL_DEFAULT_BUFFSIZE_MIB = 200  # CANN's HCCL_BUFFSIZE default, per communicator and direction
@@ -35,8 +32,8 @@ class PlanOptions:
     ``device_memory_gib`` the card the totals are compared with (None: 64 on Ascend, none on
     CPU); ``intra_node_gbps`` and ``inter_node_gbps`` (GB/s per card) the communication
     estimate (None: the Atlas 800T A2 figures on Ascend, no estimate on CPU);
-    ``dispatcher`` the token dispatcher of expert parallelism (None: all-to-all on Ascend,
-    all-gather on CPU)."""
+    ``dispatcher`` the token dispatcher of expert parallelism (None: the run's, by
+    ``model.moe_dispatcher``; its ``auto`` is all-to-all on Ascend, all-gather elsewhere)."""
 
     hbm_gbps: float = HBM_910B_GBPS
     copy_efficiency: float = COPY_EFFICIENCY
@@ -67,5 +64,7 @@ class PlanOptions:
                 self.inter_node_gbps if self.inter_node_gbps is not None
                 else INTER_NODE_GBPS.get(device))
 
-    def dispatcher_for(self, device: str) -> str:
-        return self.dispatcher or DEFAULT_DISPATCHER.get(device, "all-gather")
+    def dispatcher_for(self, choice: str, device: str) -> str:
+        """The dispatcher to cost: ``--dispatcher`` if given, else the one a run with
+        ``model.moe_dispatcher = choice`` uses on ``device``."""
+        return self.dispatcher or resolve_dispatcher(choice, device)
