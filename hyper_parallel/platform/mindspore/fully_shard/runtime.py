@@ -225,7 +225,7 @@ class FullyShardRuntime:
             return False
         failed, self.failure_seen = self.failure_seen, False
         if torch_style_recording() and not failed \
-                and not any(unit.uses_awaiting_backward for unit in units):
+                and not any(unit.steps.uses_awaiting_backward for unit in units):
             return False
         logger.warning("fully_shard: a gradient computation that raised left MindSpore's grad "
                        "graph open; it is discarded before the next step")
