@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 CONFIG ?= configs/deepseek3_tiny.yaml
 ARGS ?= --reference
 
-.PHONY: setup test train bench clean mutation
+.PHONY: setup test train bench clean mutation mindformers
 
 $(VENV)/.installed: pyproject.toml tests/mindformers/requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,9 +18,15 @@ setup: $(VENV)/.installed
 
 # Two pytest workers, a test file each at a time: an msrun launch spends seconds waiting (cluster
 # start-up and teardown) while the other worker's tests use the cores (docs/testing.md).
+# tests/mindformers (mindformers' own training on msrun ranks, minutes) is `make mindformers`.
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests --ignore=tests/mindformers
 	$(PY) -m pytest -q benchmarks --benchmark-disable
+
+# mindformers 2.1.0's own FSDP training on gradpool (docs/mindformers.md): in-process at world
+# size 1, then one msrun launch at 2 ranks and one at 4.
+mindformers: setup
+	$(PY) -m pytest -q tests/mindformers
 
 train: setup
 	$(VENV)/bin/gradpool train --config $(CONFIG) $(ARGS)

@@ -43,7 +43,8 @@ if TYPE_CHECKING:
     from gradpool.pool import BucketPool, Fence, Lease, PoolStats, as_fence, fence_done
     from gradpool.reducer import GradReducer, PackedBucket, ReducerConfig, ReduceResult
     from gradpool.runtime import (GradPoolConfig, Runtime, all_runtimes, build_runtime,
-                                  install_runtime, reset_runtimes, runtime_for)
+                                  default_pool_config, install_runtime, reset_runtimes,
+                                  runtime_for, set_default_pool_config)
 
 
 def _facade() -> dict[str, tuple[str, str]]:

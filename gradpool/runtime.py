@@ -133,6 +133,24 @@ def build_runtime(config: GradPoolConfig, comm: Optional[Communicator] = None) -
 
 
 _RUNTIMES: dict[GradPoolConfig, Runtime] = {}
+_DEFAULT_CONFIG: list[GradPoolConfig] = [GradPoolConfig()]
+
+
+def set_default_pool_config(config: GradPoolConfig) -> GradPoolConfig:
+    """Make ``config`` the pool options of every later ``fully_shard`` call that passes no
+    ``pool_config``: how a framework that calls ``fully_shard`` itself (mindformers'
+    ``apply_fsdp``) runs with ``verify_gradients`` or a cache cap, its code unchanged. Returns
+    the previous default, to restore it."""
+    if not isinstance(config, GradPoolConfig):
+        raise InvalidArgumentError(
+            f"set_default_pool_config takes a GradPoolConfig, got {type(config).__name__}")
+    previous, _DEFAULT_CONFIG[0] = _DEFAULT_CONFIG[0], config
+    return previous
+
+
+def default_pool_config() -> GradPoolConfig:
+    """The pool options ``fully_shard`` uses without ``pool_config`` (:func:`set_default_pool_config`)."""
+    return _DEFAULT_CONFIG[0]
 
 
 def runtime_for(config: GradPoolConfig) -> Runtime:

@@ -51,3 +51,16 @@ def test_partial_names_its_reduce_op():
     assert Partial().reduce_op == "sum" and Partial().is_partial()
     with pytest.raises(InvalidArgumentError, match="product"):
         Partial("product")
+
+
+def test_a_dtensor_layout_is_its_spec_and_tensor_parallel_queries_are_refused():
+    """mindformers' _apply_spmd_parallelism logs ``param.layout`` of every DTensor parameter;
+    its tensor-parallel helpers ask the layout for split ids: refused by name."""
+    from gradpool import FeatureNotProvidedError
+    from hyper_parallel.core.dtensor.dtensor import DTensor
+    import mindspore as ms
+    mesh = DeviceMesh("cpu", (2,))
+    tensor = DTensor.from_local(ms.Tensor(np.zeros((3, 4), np.float32)), mesh, (Shard(0),))
+    assert tensor.layout == DTensorSpec(mesh, (Shard(0),), (6, 4))
+    with pytest.raises(FeatureNotProvidedError, match="layout.get_split_id"):
+        tensor.layout.get_split_id(0)

@@ -337,6 +337,25 @@ def test_gradient_verification_catches_a_damaged_gradient(damage):
     assert ("changed" if damage == "changed" else "lost its storage") in str(err.value)
 
 
+def test_fully_shard_without_pool_config_takes_the_process_default():
+    """A caller that cannot pass pool_config (mindformers' apply_fsdp calls fully_shard itself)
+    gets the options set_default_pool_config made the default; the previous default comes back."""
+    from gradpool import default_pool_config, set_default_pool_config
+    x = ms.Tensor(np.ones((2, 4), np.float32))
+    previous = set_default_pool_config(GradPoolConfig(verify_gradients=True, async_reduce=False))
+    try:
+        net = fully_shard(TwoLayer())
+        _loss_and_grads(net, x)
+    finally:
+        assert set_default_pool_config(previous).verify_gradients
+    assert default_pool_config() == GradPoolConfig() == previous
+    managed = [p.hsdp_param for p in net.trainable_params()]
+    assert [m.verified_gradients for m in managed] == [1] * len(managed)
+    assert not fully_shard(TwoLayer()).trainable_params()[0].hsdp_param.verify_gradients
+    with pytest.raises(InvalidArgumentError, match="GradPoolConfig"):
+        set_default_pool_config({"verify_gradients": True})
+
+
 def test_the_parameters_the_model_was_built_with_are_released():
     """After fully_shard only the local shards are referenced: the full Parameters the model was
     built with are garbage (nothing of fully_shard keeps them), so their memory is MindSpore's

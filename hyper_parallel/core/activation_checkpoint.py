@@ -47,7 +47,8 @@ def is_recomputing() -> bool:
 
 
 def checkpoint(function: Callable, *args, policy_fn: Optional[Callable] = None,
-               context_fn: Optional[Callable] = None, use_reentrant: bool = False, **kwargs):
+               context_fn: Optional[Callable] = None, use_reentrant: bool = False,
+               early_stop: bool = True, **kwargs):
     """``function(*args, **kwargs)`` with its activations recomputed in backward.
 
     ``context_fn`` (as MindSpore's): returns two context managers, entered around the forward
@@ -67,24 +68,43 @@ def checkpoint(function: Callable, *args, policy_fn: Optional[Callable] = None,
             "checkpoint(use_reentrant=True) is not supported: a reentrant recompute would not "
             "differentiate the parameters fully_shard gathers; use the default "
             "use_reentrant=False (same activations recomputed)")
-    return ms.recompute(function, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+    return ms.recompute(function, *args, use_reentrant=False, early_stop=early_stop,
+                        context_fn=context_fn, **kwargs)
 
 
 class _CheckpointWrapper(nn.Cell):
     """``module`` whose forward is checkpointed; its parameters keep their names (no prefix)."""
 
-    def __init__(self, module: nn.Cell):
+    def __init__(self, module: nn.Cell, context_fn: Optional[Callable], early_stop: bool):
         super().__init__(auto_prefix=False)
         self.checkpoint_wrapped_module = module
+        self._context_fn = context_fn
+        self._early_stop = early_stop
+
+    def __getattr__(self, name: str):
+        # As upstream's (and torch's) wrapper: what the wrapper lacks is the wrapped module's,
+        # so code that walks a model (layer.mlp, layer.self_attention) sees through it.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            wrapped = self.__dict__.get("_cells", {}).get("checkpoint_wrapped_module")
+            if wrapped is None:
+                raise
+            return getattr(wrapped, name)
 
     def construct(self, *args, **kwargs):
-        return checkpoint(self.checkpoint_wrapped_module, *args, **kwargs)
+        return checkpoint(self.checkpoint_wrapped_module, *args, context_fn=self._context_fn,
+                          early_stop=self._early_stop, **kwargs)
 
 
-def checkpoint_wrapper(module: nn.Cell) -> nn.Cell:
+def checkpoint_wrapper(module: nn.Cell, *, context_fn: Optional[Callable] = None,
+                       early_stop: bool = True) -> nn.Cell:
     """A cell that runs ``module`` under :func:`checkpoint` (wrap a block before or after
     ``fully_shard``; the parameter names do not change)."""
     if not isinstance(module, nn.Cell):
         raise InvalidArgumentError(
             f"checkpoint_wrapper takes an nn.Cell, got {type(module).__name__}")
-    return _CheckpointWrapper(module)
+    if context_fn is not None and not callable(context_fn):
+        raise InvalidArgumentError(
+            f"checkpoint_wrapper(context_fn=...) takes a callable, got {type(context_fn).__name__}")
+    return _CheckpointWrapper(module, context_fn, early_stop)

@@ -68,6 +68,14 @@ class DTensor:
         return self._dtensor_spec.placements
 
     @property
+    def layout(self) -> DTensorSpec:
+        """The layout as a :class:`DTensorSpec` (mesh, placements, global shape): what
+        mindformers' ``_apply_spmd_parallelism`` logs for every DTensor parameter. Upstream's
+        tensor-parallel ``Layout`` queries (split ids, tensor maps) are refused by name by the
+        spec."""
+        return self._dtensor_spec
+
+    @property
     def global_shape(self) -> tuple[int, ...]:
         return self._dtensor_spec.global_shape
 

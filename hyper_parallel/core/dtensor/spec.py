@@ -25,6 +25,15 @@ class DTensorSpec:
     placements: tuple[Placement, ...]
     global_shape: tuple[int, ...]
 
+    def __getattr__(self, name: str):
+        # Only reached for what a spec lacks: upstream Layout's tensor-parallel queries
+        # (get_split_id, tensor_map, ...) are refused by name, never an AttributeError; dunders
+        # probed by Python's own machinery (copy, pickle) stay AttributeErrors.
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        from hyper_parallel.core.not_provided import DTENSOR_LAYOUTS, refuse
+        refuse(f"layout.{name}", DTENSOR_LAYOUTS)
+
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, DeviceMesh):
             raise InvalidArgumentError(f"a DTensor needs a DeviceMesh, got {self.mesh!r}")

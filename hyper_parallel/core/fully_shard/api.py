@@ -1,9 +1,11 @@
 """``fully_shard``: the upstream-compatible entry point, with every gradient reduced on pool memory.
 
-Pool options reach ``fully_shard`` one way: the keyword-only ``pool_config=`` argument, a
+Pool options reach ``fully_shard`` through the keyword-only ``pool_config=`` argument, a
 :class:`gradpool.GradPoolConfig` (zero-copy, poison-on-release, bucket cap, alignment,
 buckets in flight, cache cap, gradient verification, asynchronous reduce). Calls written for
-upstream pass none and get ``GradPoolConfig()``'s defaults.
+upstream pass none and get the process default: ``GradPoolConfig()`` unless
+:func:`gradpool.set_default_pool_config` set another (how a framework that calls
+``fully_shard`` itself, such as mindformers, gets ``verify_gradients``).
 
 With ``MixedPrecisionPolicy(apply_grad_on_fp32_main_grad=True)`` the reduce is asynchronous by
 default (``GradPoolConfig.async_reduce``): each unit's backward only launches it, the results
@@ -20,8 +22,8 @@ from typing import Callable, Optional, Union
 from mindspore import nn
 
 from gradpool import (GradPoolConfig, InvalidArgumentError, all_runtimes, check_bool,
-                      device_target, on_real_device, real_device_target,
-                      return_free_host_memory, runtime_for)
+                      default_pool_config, device_target, on_real_device,
+                      real_device_target, return_free_host_memory, runtime_for)
 from hyper_parallel.core.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import as_managed_dtensor
 from hyper_parallel.core.dtensor.placement_types import Shard
@@ -382,7 +384,7 @@ def fully_shard(module: Union[nn.Cell, list], *, mesh: Optional[DeviceMesh] = No
 
 def _fully_shard(modules, module, mesh, reshard_after_forward, shard_placement_fn, mp_policy,
                  offload_policy, ignored_params, replicate_params, comm_fusion, pool_config):
-    config = pool_config if pool_config is not None else GradPoolConfig()
+    config = pool_config if pool_config is not None else default_pool_config()
     _validate(modules, mp_policy, offload_policy, reshard_after_forward, comm_fusion, config)
     runtime = runtime_for(config)     # after validation: a refused call leaves nothing behind
     shard_comm, replicate_comm = _mesh_comms(mesh, runtime)
