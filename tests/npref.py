@@ -57,6 +57,14 @@ def np_chunk(full, dim: int, rank: int, world: int) -> np.ndarray:
     return np.take(padded, range(rank * chunk, (rank + 1) * chunk), axis=dim)
 
 
+def np_local(managed, full) -> np.ndarray:
+    """What a managed parameter's rank holds of ``full`` (a NumPy array of the whole tensor):
+    all of it when replicated, else its chunk (zero-padded)."""
+    if managed.replicate:
+        return full
+    return np_chunk(full, managed.shard_dim, managed.rank, managed.world_size)
+
+
 def np_pack(grads, layout, dtype=None):
     """Pack per the layout with NumPy: the reference for what gradpool.pack must produce. With
     ``dtype`` every value is rounded to it (as the pack casts), as float32; else float64."""

@@ -37,7 +37,7 @@ from gradpool.app.config import from_dict
 from gradpool.app.model import TinyDeepSeekV3, global_batch_np, make_batch_np, next_token_loss
 from gradpool.app.train import build_sharded_model, gathered_params
 from harness import Suite, allclose, equal, raises
-from npref import np_chunk
+from npref import np_local
 
 suite = Suite("moe", blocking_launch=True)
 STEPS = 3
@@ -146,11 +146,8 @@ def train_and_compare(ctx, run: Run) -> dict:
                                                                seed=cfg.train.seed)))
         got = [p.main_grad for p in params] if run.mode != "plain" else list(grads)
         for param, g, want in zip(params, got, ref_grads):
-            managed = param.hsdp_param
-            want = want.asnumpy()
-            if not managed.replicate:
-                want = np_chunk(want, managed.shard_dim, managed.rank, managed.world_size)
-            checks[f"step {step} grad {param.name}"] = _close(g, want)
+            checks[f"step {step} grad {param.name}"] = _close(
+                g, np_local(param.hsdp_param, want.asnumpy()))
         losses.append(_mean_over_ranks(ctx, loss))
         ref_losses.append(float(ref_loss.asnumpy()))
         if twin is not None:

@@ -43,7 +43,7 @@ from hyper_parallel.core.activation_checkpoint import checkpoint, checkpoint_wra
 from hyper_parallel.core.fully_shard import MixedPrecisionPolicy
 from hyper_parallel.platform.mindspore.autograd_compat import (disable_mindspore_backward_compat,
                                                                enable_mindspore_backward_compat)
-from npref import np_chunk
+from npref import np_chunk, np_local
 import tied_cases  # noqa: E402  (its cases join this suite)
 
 suite = Suite("patterns", blocking_launch=True)
@@ -283,9 +283,7 @@ def _train_and_compare(ctx, run: Run) -> dict:
         got = [mint.zeros(p.shape, dtype=ms.float32) if g is None else g
                for p, g in zip(params, got)]
         for param, g, want in zip(params, got, ref_grads):
-            managed = param.hsdp_param
-            expected = want if managed.replicate else np_chunk(want, managed.shard_dim,
-                                                               managed.rank, managed.world_size)
+            expected = np_local(param.hsdp_param, want)
             scale = float(np.abs(want).max(initial=0.0)) or 1.0
             checks[f"step {step} {param.name}"] = allclose(g, expected, rtol=0.0,
                                                            atol=GRAD_TOL * scale)
