@@ -12,7 +12,6 @@ import json
 import logging
 import shutil
 import struct
-import types
 from pathlib import Path
 
 import mindspore as ms
@@ -275,49 +274,8 @@ def test_a_version_1_index_needs_an_explicit_opt_out(saved):
     _assert_same_bits(_state(model, optimizer), want)
 
 
-# -- across ranks ---------------------------------------------------------------------------------
-class _OtherRank:
-    """A world of two seen from rank 0: the other rank adds ``adds`` to every all-reduce (1.0:
-    it failed to read its part)."""
-
-    rank, world_size = 0, 2
-
-    def __init__(self, adds: float):
-        self.adds, self.calls = adds, 0
-
-    def all_reduce(self, tensor, op="sum", async_op=False):
-        self.calls += 1
-        tensor.assign_value(ms.Tensor(tensor.asnumpy() + np.float32(self.adds)))
-        return types.SimpleNamespace(wait=lambda: None)
-
-
-def test_no_rank_changes_its_model_unless_every_rank_read_its_part(saved, monkeypatch):
-    """A file only some ranks read (their own shards) must not leave the others loaded: every
-    rank says whether it read its part before any rank assigns."""
-    from hyper_parallel.checkpoint import api
-    root, want = saved
-    model, optimizer = _model_and_optimizer(seed=7)
-    before = _state(model, optimizer)
-    # the simulated rank holds the same model: the keys the world needs are this rank's (the
-    # exchange of names is tested at 2 and 4 real ranks in tests/test_checkpoint_distributed.py)
-    monkeypatch.setattr(api, "world_keys", lambda local, comm=None: dict(local))
-    other_failed = _OtherRank(1.0)
-    monkeypatch.setattr(api, "communicator_for", lambda: other_failed)
-    with pytest.raises(CheckpointError, match="failed to load on 1 other rank.*unchanged"):
-        checkpoint.load(root, model, optimizer)
-    assert other_failed.calls == 1
-    _assert_same_bits(_state(model, optimizer), before)
-    monkeypatch.setattr(api, "communicator_for", lambda: _OtherRank(0.0))
-    assert checkpoint.load(root, model, optimizer)["step"] == 1
-    _assert_same_bits(_state(model, optimizer), want)
-    told = _OtherRank(0.0)
-    monkeypatch.setattr(api, "communicator_for", lambda: told)
-    flip_a_byte(root)
-    fresh, fresh_opt = _model_and_optimizer(seed=7)
-    with pytest.raises(CheckpointError, match="model/w2.*checksum"):
-        checkpoint.load(root, fresh, fresh_opt)
-    assert told.calls == 1          # this rank's failure reached the other rank's barrier
-    _assert_same_bits(_state(fresh, fresh_opt), before)
+# -- across ranks: tests/distributed/checkpoint_cases.py, at 2 real msrun ranks
+# (w2_one_rank_fails_to_read_every_rank_unchanged) -------------------------------------------
 
 
 # -- through the command line --------------------------------------------------------------------

@@ -233,6 +233,50 @@ def w2_truncated_file_refused_by_name(ctx):
     return {"refused": refused, "unchanged": equal(unchanged, True)}
 
 
+@suite.case
+def w2_one_rank_fails_to_read_every_rank_unchanged(ctx):
+    """Load agreement between real ranks: rank 1's own file is damaged (a flipped byte in its
+    shards, a file rank 0 does not read), so rank 1's read fails its checksum; every rank
+    raises before any rank assigns, and every model is unchanged."""
+    target = shared() / "w2_rank1_damaged"
+    if ctx.rank == 0:
+        shutil.copytree(shared() / "w2", target)
+        victim = next(target.glob("gen-*/rank-00001.safetensors"))
+        data = bytearray(victim.read_bytes())
+        data[-3] ^= 0x10                      # the last tensor's bytes: rank 1's shards
+        victim.write_bytes(bytes(data))
+    _barrier(ctx)
+    _, model, optimizer = build(FLAT, seed=7)
+    before = [p.asnumpy().copy() for p in model.trainable_params()]
+    said = ("rank-00001.safetensors", "checksum") if ctx.rank == 1 else (
+        "failed to load on 1 other rank", "unchanged")
+    refused = raises(CheckpointError, lambda: checkpoint.load(target, model, optimizer), *said)
+    unchanged = all(np.array_equal(a, p.asnumpy()) for a, p in zip(before, model.trainable_params()))
+    return {"refused": refused, "unchanged": equal(unchanged, True)}
+
+
+@suite.case
+def w2_ranks_that_find_different_latest_all_refuse(ctx):
+    """``train.resume_from: latest`` resolved by the ranks (launch-cmd's way) over the real
+    exchange: where rank 0 finds step 4 and rank 1 finds none, both refuse; where both find
+    step 4, both resume it."""
+    from gradpool.app.rank_main import _resolve_latest
+    from hyper_parallel.checkpoint.steps import step_dir
+    cfg, model, optimizer = build(FLAT)
+    checkpoint.save(step_dir(shared() / "latest_a", 4), model, optimizer, step=4)
+    mine = shared() / ("latest_a" if ctx.rank == 0 else "latest_empty")
+    mine.mkdir(exist_ok=True)
+    apart = from_dict({}, [f"train.save_dir={mine}", "train.resume_from=latest"])
+    together = from_dict({}, [f"train.save_dir={shared() / 'latest_a'}",
+                              "train.resume_from=latest"])
+    resolved = _resolve_latest(together, ctx.comm, log_steps=False)
+    return {"apart: every rank refuses": raises(
+                CheckpointError, lambda: _resolve_latest(apart, ctx.comm, log_steps=False),
+                "found different checkpoints", "steps [-1, 4]"),
+            "together: step 4": equal(resolved.train.resume_from,
+                                      str(step_dir(shared() / "latest_a", 4)))}
+
+
 def _barrier(ctx: Context) -> None:
     buf = ms.Tensor(np.zeros(1, np.float32))
     ctx.comm.all_reduce(buf).wait()
