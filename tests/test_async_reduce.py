@@ -50,7 +50,7 @@ def comms():
     """``install(wrap)``: every runtime built afterwards gets ``wrap(communicator)``."""
     with contextlib.ExitStack() as stack:
         yield lambda wrap: stack.enter_context(harness.wrapped_communicators(wrap))
-    RUNTIME.in_flight.clear()      # a failed test must not leak units into the next
+    RUNTIME.in_flight_refs.clear()     # a failed test must not leak units into the next
 
 
 def late(inner):

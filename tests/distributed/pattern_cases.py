@@ -41,6 +41,7 @@ from harness import Suite, allclose, equal, raises, wrapped_communicators
 from hyper_parallel import fully_shard, init_device_mesh
 from hyper_parallel.core.activation_checkpoint import checkpoint, checkpoint_wrapper
 from hyper_parallel.core.fully_shard import MixedPrecisionPolicy
+from hyper_parallel.platform.mindspore.fully_shard.runtime import RUNTIME
 from hyper_parallel.platform.mindspore.autograd_compat import (disable_mindspore_backward_compat,
                                                                enable_mindspore_backward_compat)
 from npref import np_chunk, np_local
@@ -496,27 +497,94 @@ def recompute_gathers_no_more(ctx, entry) -> dict:
             "some all-gathers": equal(counts["none"] > 0, ctx.world_size > 1)}
 
 
+def _drop_between_micro_steps(model, grad_fn, local) -> None:
+    """A micro-step that does not end the optimizer step: without gradient sync the unit's
+    reduce path keeps its gradients packed in pool buckets; in main_grad asynchronous mode with
+    ``set_is_last_backward(False)`` each unit's reduce is left in flight."""
+    model.set_requires_gradient_sync(False)
+    grad_fn(local)
+
+
+def _drop_after_micro_step_in_flight(model, grad_fn, local) -> None:
+    model.set_is_last_backward(False)
+    grad_fn(local)
+
+
+def _drop_after_failed_forward(model, grad_fn, local) -> None:
+    """A micro-step without sync (buckets packed), then a forward that raises, caught."""
+    _drop_between_micro_steps(model, grad_fn, local)
+    model.set_requires_gradient_sync(True)
+    model.set_is_last_backward(False)
+    FAIL["where"] = "b"
+    try:
+        grad_fn(local)
+    except RuntimeError:
+        pass
+    finally:
+        FAIL["where"] = None
+
+
+def _drop_after_failed_backward(model, grad_fn, local) -> None:
+    """A backward that raises: MindSpore's reentrant recompute of unit ``a``, refused inside
+    backward after ``b``'s backward left its reduce in flight (main_grad asynchronous mode).
+    Under torch-style backward MindSpore refuses it in the forward already."""
+    model.set_is_last_backward(False)
+    model.pattern = "recompute_fn_reentrant"
+    try:
+        grad_fn(local)
+    except (UnsupportedPatternError, RuntimeError):
+        pass
+
+
+DROPS = {"between micro-steps, no gradient sync": _drop_between_micro_steps,
+         "between micro-steps, not the last backward": _drop_after_micro_step_in_flight,
+         "after a caught exception in forward": _drop_after_failed_forward,
+         "after a caught exception in backward": _drop_after_failed_backward}
+
+
 @through_both_entries
 def dropped_models_return_their_leases(ctx, entry) -> dict:
-    """Build, train and drop 4 models per mode in one process, collector off: no lease stays
-    live, and the pool's reserved bytes stop growing after the first model (its buckets are
-    reused, not leaked)."""
+    """Build, train and drop 4 models per mode in one process with the collector off, each
+    dropped in the middle of an optimizer step (between micro-steps: buckets packed without
+    sync, reduces left in flight) or after a caught exception in its forward or its backward:
+    after each drop the pool's live leases and (idle buckets trimmed) reserved bytes are back
+    at the baseline taken before the first model, and no unit of the model stays alive."""
     checks = {}
+    gc.collect()
     gc.disable()
     try:
         for mode in ("plain", "main_async"):
-            reserved = []
-            for index in range(4):
-                model, config = _build(Run(mode=mode), ctx.world_size)
+            config = _build(Run(mode=mode), ctx.world_size)[1]
+            pool = runtime_for(config).pool
+            gc.collect()
+            pool.trim()
+            baseline = pool.stats()
+            units = len(RUNTIME.live_units())
+            for index, (how, drop) in enumerate(DROPS.items()):
+                if entry == "backward":
+                    enable_mindspore_backward_compat()   # a failure turned the grad flag off
+                model, _ = _build(Run(mode=mode), ctx.world_size)
+                grad_fn = gradient_step(model, model.trainable_params(), entry)
                 local, _ = _batch(index, ctx.rank, ctx.world_size, ROWS)
-                gradient_step(model, model.trainable_params(), entry)(ms.Tensor(local))
-                stats = runtime_for(config).pool.stats()
-                checks[f"{mode} model {index}: live leases after its step"] = equal(
-                    stats.live_leases, 0)
-                reserved.append(stats.bytes_reserved)
-                del model
-            checks[f"{mode}: reserved bytes do not grow per model"] = equal(
-                reserved[1:], [reserved[0]] * 3)
+                grad_fn(ms.Tensor(local))                 # one completed step first
+                model.zero_grad()
+                drop(model, grad_fn, ms.Tensor(local))
+                label = f"{mode} model {index}, dropped {how}"
+                # what the drop must give back: buckets packed without sync, and in main_grad
+                # asynchronous mode reduces in flight (none under torch-style backward after the
+                # refused recompute: MindSpore refuses it in the forward there)
+                in_flight = mode == "main_async" and not (entry == "backward"
+                                                          and "in backward" in how)
+                checks[f"{label}: leases held before the drop"] = equal(
+                    pool.stats().live_leases > baseline.live_leases,
+                    in_flight or "no gradient sync" in how or "forward" in how)
+                del model, grad_fn
+                pool.trim()
+                stats = pool.stats()
+                checks[f"{label}: live leases"] = equal(stats.live_leases, baseline.live_leases)
+                checks[f"{label}: reserved bytes"] = equal(stats.bytes_reserved,
+                                                           baseline.bytes_reserved)
+                checks[f"{label}: units alive"] = equal(len(RUNTIME.live_units()), units)
     finally:
         gc.enable()
     return checks

@@ -18,8 +18,12 @@
   Under torch-style backward (``autograd_compat.enable_mindspore_backward_compat``) the flag is
   on between steps by design (``torch_style_recording()``): an open flag then proves nothing,
   and a discard turns recording back on.
+* ``register_backward_pre_hook(cell, hook)``: MindSpore's, without its cell <-> primitive
+  reference cycle (a dropped model is freed by reference counting).
 """
 from __future__ import annotations
+
+import weakref
 
 from mindspore.graph.api import _pynative_executor
 
@@ -77,3 +81,38 @@ def discard_open_grad_graph() -> None:
     grad flag off)."""
     _pynative_executor.clear_res()
     restore_recording()
+
+
+class _CellWeakly:
+    """A cell's backward-hook primitive refers to its cell through a weak reference."""
+
+    @property
+    def cell(self):
+        ref = self.__dict__.get("_weak_cell")
+        return None if ref is None else ref()
+
+    @cell.setter
+    def cell(self, cell) -> None:
+        self.__dict__["_weak_cell"] = None if cell is None else weakref.ref(cell)
+
+
+_WEAK_HOOK_CLASSES: dict = {}
+
+
+def register_backward_pre_hook(cell, hook):
+    """``cell.register_backward_pre_hook(hook)``, without the reference cycle MindSpore makes:
+    the cell keeps its ``CellBackwardHook`` primitive, which keeps the cell (to pass it to the
+    hooks), so a cell with a backward pre-hook is freed only by the garbage collector. Here the
+    primitive holds the cell weakly (it calls hooks only while the cell runs), so a dropped
+    model is freed by reference counting, the collector on or off."""
+    handle = cell.register_backward_pre_hook(hook)
+    primitive = cell.__dict__.get("_cell_backward_pre_hook")
+    if primitive is not None and not isinstance(primitive, _CellWeakly):
+        kind = type(primitive)
+        weak_kind = _WEAK_HOOK_CLASSES.get(kind)
+        if weak_kind is None:
+            weak_kind = _WEAK_HOOK_CLASSES[kind] = type(kind.__name__, (_CellWeakly, kind), {})
+        strong = primitive.__dict__.pop("cell", None)
+        primitive.__class__ = weak_kind
+        primitive.cell = strong
+    return handle

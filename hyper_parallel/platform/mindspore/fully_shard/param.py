@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import zlib
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -59,14 +60,19 @@ class MindSporeHSDPParamV2:
     """A parameter managed by ``fully_shard``: sharded along ``shard_dim`` or replicated.
 
     ``unit`` (set by the unit that adopts it) is the ``HSDPUnitState`` whose reduce path this
-    parameter's reduce methods use."""
+    parameter's reduce methods use.
+
+    The record lives as long as its shard (a MindSpore ``Parameter``, which only the garbage
+    collector frees: it and its ``ParamInfo`` refer to each other), so it holds its unit and its
+    owning cells weakly: a dropped model is freed by reference counting, and its unit's
+    finalizer gives back the reduce result this record still points to."""
 
     def __init__(self, cell, attr_name: str, param: Parameter, *, rank: int, world_size: int,
                  comm, shard_dim: int = 0, replicate: bool = False, mp_policy=None,
                  verify_gradients: bool = False, main_grad_in_place: bool = True):
         # Every (cell, attribute) that holds this parameter: tied weights share one shard.
-        self.owners: list[tuple[Any, str]] = [(cell, attr_name)]
-        self.unit = None
+        self.owners = [(cell, attr_name)]
+        self._unit = None
         self.name = param.name
         self.orig_shape = tuple(param.shape)
         self.orig_dtype = param.dtype
@@ -93,6 +99,24 @@ class MindSporeHSDPParamV2:
         self._slot: Optional[ReduceSlot] = None
         self.partial: Optional[ms.Tensor] = None   # HSDP: shard-group sum, replicas not yet in
         self.verified_gradients = 0     # gradients proven intact after their reduce path
+
+    @property
+    def unit(self):
+        return None if self._unit is None else self._unit()
+
+    @unit.setter
+    def unit(self, unit) -> None:
+        self._unit = None if unit is None else weakref.ref(unit)
+
+    @property
+    def owners(self) -> list[tuple[Any, str]]:
+        """Every live ``(cell, attribute)`` that holds this parameter."""
+        return [(cell, attr) for cell, attr in ((ref(), attr) for ref, attr in self._owners)
+                if cell is not None]
+
+    @owners.setter
+    def owners(self, owners: list[tuple[Any, str]]) -> None:
+        self._owners = [(weakref.ref(cell), attr) for cell, attr in owners]
 
     # -- sharding -------------------------------------------------------------------------------
     @property

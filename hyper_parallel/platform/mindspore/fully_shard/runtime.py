@@ -1,6 +1,10 @@
 """What every ``fully_shard`` unit of a process shares during a step, owned by one object.
 
-* the registry of units (weak references: finding roots, containment, prefetch targets);
+Every unit is held weakly here (by :class:`weakref.ref`): a unit belongs to its model, and a
+model dropped at any point (between micro-steps, after an exception) frees its units, whose
+finalizer gives their leases back to the pool.
+
+* the registry of units (finding roots, containment, prefetch targets);
 * the asynchronous reduces still in flight, in launch order (main_grad mode);
 * the shared zero gradients handed to autograd (one tensor per shape and dtype);
 * the order in which units finished their forward, which gives the backward order that the
@@ -41,12 +45,12 @@ class FullyShardRuntime:
 
     def __init__(self):
         self._units: list = []                     # weakref.ref(HSDPUnitState)
-        self.in_flight: list = []                  # units whose async reduce is not in main_grad
+        self.in_flight_refs: list = []             # units whose async reduce is not landed
         self.zeros: dict = {}                      # (shape, dtype) -> read-only zero tensor
-        self.forward_order: list = []              # units in the order their forward ended
+        self.forward_order: list = []              # refs: units in the order their forward ended
         self.replaced_parameters = False           # fully_shard swapped some since the last forward
         self.backward_pass: Optional[int] = None   # engine whose end-of-backward is queued
-        self.backward_units: dict = {}             # id -> unit: units that ran in that pass
+        self.backward_units: dict = {}             # id -> ref: units that ran in that pass
         self.registered = 0                        # units ever registered: the next one's index
         self.order_check: Optional[UnitOrderCheck] = None   # made by the first unit using it
         self.failure_seen = False                  # a forward or backward raised since the last
@@ -83,7 +87,7 @@ class FullyShardRuntime:
     def live_units(self) -> list:
         alive = [ref for ref in self._units if ref() is not None]
         self._units = alive
-        return [ref() for ref in alive]
+        return alive_units(alive)
 
     # -- the parameters fully_shard replaced ----------------------------------------------------
     def free_replaced_parameters(self) -> None:
@@ -118,13 +122,34 @@ class FullyShardRuntime:
         launch order (the same on every rank). A failed collective is raised once every other
         one is settled: no lease stays live, and nothing is added twice."""
         error: Optional[BaseException] = None
-        while self.in_flight:
+        while self.in_flight_refs:
+            unit = self.in_flight_refs[0]()
+            if unit is None:       # dropped: its finalizer gave its buckets back
+                del self.in_flight_refs[0]
+                continue
             try:
-                self.in_flight[0].finish_async_reduce()
+                unit.finish_async_reduce()
             except Exception as exc:  # noqa: BLE001 - the first failure is raised below
                 error = error if error is not None else exc
         if error is not None:
             raise error
+
+    @property
+    def in_flight(self) -> list:
+        """The live units whose asynchronous reduce is not landed yet, in launch order."""
+        return alive_units(self.in_flight_refs)
+
+    def left_in_flight(self, unit) -> None:
+        """``unit``'s backward left its reduce in flight (landed in launch order)."""
+        self.in_flight_refs.append(weakref.ref(unit))
+
+    def take_in_flight(self, unit) -> bool:
+        """Take ``unit`` off the in-flight list; False when it had no reduce in flight."""
+        for position, ref in enumerate(self.in_flight_refs):
+            if ref() is unit:
+                del self.in_flight_refs[position]
+                return True
+        return False
 
     # -- the backward pass ------------------------------------------------------------------------
     def backward_started(self, unit) -> None:
@@ -132,7 +157,9 @@ class FullyShardRuntime:
         (autograd's final callback), so the step ends when autograd is done, whatever the root
         holds and whichever units the loss used; a nested engine (a reentrant recompute's inner
         backward) ends inside the outer pass, so only the outer one ends the step."""
-        self.backward_units.setdefault(id(unit), unit)
+        known = self.backward_units.get(id(unit))
+        if known is None or known() is not unit:     # an id of a dropped unit may be reused
+            self.backward_units[id(unit)] = weakref.ref(unit)
         if self.backward_pass is None and in_backward():
             self.backward_pass = backward_engine()
             queue_end_of_backward(self.end_backward_pass)
@@ -156,7 +183,7 @@ class FullyShardRuntime:
         ``main_grad`` and prefetched gathers no backward used are given back; then every unit
         is settled (its gathered memory released, its per-step state at rest), and no
         parameter's torch-style ``grad`` holds the shared zeros."""
-        units = list(self.backward_units.values())
+        units = alive_units(self.backward_units.values())
         self.backward_pass, self.backward_units = None, {}
         last = all(unit.settings.is_last_backward for unit in units)
         try:
@@ -266,14 +293,14 @@ class FullyShardRuntime:
     def forward_ended(self, unit) -> None:
         """``unit``'s forward ended. A unit ending its forward again starts a new order (the next
         step's forward)."""
-        if any(seen is unit for seen in self.forward_order):
+        if any(seen() is unit for seen in self.forward_order):
             self.forward_order = []
-        self.forward_order.append(unit)
+        self.forward_order.append(weakref.ref(unit))
 
     def next_in_backward(self, unit):
         """The unit whose backward follows ``unit``'s: the one whose forward ended just before
         it; None when ``unit`` is the last (or did not run forward this step)."""
-        order = self.forward_order
+        order = alive_units(self.forward_order)
         for position, seen in enumerate(order):
             if seen is unit:
                 return order[position - 1] if position > 0 else None
@@ -281,6 +308,11 @@ class FullyShardRuntime:
 
 
 RUNTIME = FullyShardRuntime()
+
+
+def alive_units(refs) -> list:
+    """The units of ``refs`` (weak references) still alive, in order."""
+    return [unit for unit in (ref() for ref in refs) if unit is not None]
 
 
 def _user_class_name(module) -> str:

@@ -38,11 +38,14 @@ left in flight there.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Optional
 
 from gradpool import GatheredParam, GradReducer, check_reduce_op
+from hyper_parallel.platform.mindspore.fully_shard.autograd import register_backward_pre_hook
 from hyper_parallel.platform.mindspore.fully_shard.param import MindSporeHSDPParamV2
-from hyper_parallel.platform.mindspore.fully_shard.runtime import RUNTIME, FullyShardRuntime
+from hyper_parallel.platform.mindspore.fully_shard.runtime import (RUNTIME, FullyShardRuntime,
+                                                                    alive_units)
 from hyper_parallel.platform.mindspore.fully_shard.settings import UnitSettings
 from hyper_parallel.platform.mindspore.fully_shard.unit_memory import UnitMemory
 from hyper_parallel.platform.mindspore.fully_shard.unit_reduce import (AsyncReduceStats,
@@ -70,7 +73,15 @@ class HSDPUnitState:
       gradients (reduce, micro-step accumulation, HSDP partials, the asynchronous landing);
     * :attr:`steps` (:class:`.unit_steps.UnitSteps`): the hooks and the per-step state machine.
 
-    The unit drives its parameters (passive records)."""
+    The unit drives its parameters (passive records).
+
+    Lifetime: the unit belongs to its modules (``module.__dict__['_hsdp_state']``) and nothing
+    else holds it strongly (its modules, its parts, its parameters, other units' prefetch lists
+    and the runtime refer to it weakly), so reference counting frees it with its model, the
+    garbage collector on or off. A MindSpore ``Parameter`` is freed only by the collector (it and
+    its ``ParamInfo`` refer to each other): what a parameter holds must not keep a dropped unit
+    alive. When the unit is freed, :func:`_return_leases` gives the pool back every lease it still
+    held: micro-step buckets, reduces in flight, gathered parameters, prefetches."""
 
     def __init__(self, modules: list, params: list[MindSporeHSDPParamV2], reducer: GradReducer,
                  mp_policy, reshard_after_forward: bool, async_reduce: bool = False,
@@ -78,7 +89,7 @@ class HSDPUnitState:
         """``async_reduce``: leave each backward's reduce in flight (main_grad mode only).
         ``world_comm``: every rank agrees on each collective of this unit over it before the
         collective runs (:mod:`.order`); None: no agreement."""
-        self.modules = list(modules)
+        self._modules = [weakref.ref(module) for module in modules]
         self.runtime = runtime
         self.index = -1                       # set by runtime.register
         self._order = None if world_comm is None else runtime.unit_order_check(world_comm)
@@ -87,21 +98,24 @@ class HSDPUnitState:
         self.mp_policy = mp_policy
         self.settings = UnitSettings(reshard_after_forward=reshard_after_forward)
         self._is_root: Optional[bool] = None
-        self.forward_prefetch: list["HSDPUnitState"] = []     # units gathered when this one is
-        # None: the next unit in backward order (implicit); a list: those units
-        self.backward_prefetch: Optional[list["HSDPUnitState"]] = None
-        self.memory = UnitMemory(params, reducer, self._agree)
+        self._forward_prefetch: list = []      # weak refs: units gathered when this one is
+        # None: the next unit in backward order (implicit); a list: those units (weak refs)
+        self._backward_prefetch: Optional[list] = None
+        agree = _weakly(self._agree)
+        self.memory = UnitMemory(params, reducer, agree)
         self.reduce_path = UnitReduce(params, reducer, mp_policy, self.settings, runtime,
-                                      async_reduce, self._agree, owner=self)
+                                      async_reduce, agree, owner=self)
         self.steps = UnitSteps(self)
         for param in params:
             param.unit = self       # for upstream's per-parameter calls only (reduce_scatter_grad)
+        finalizer = weakref.finalize(self, _return_leases, self.memory, self.reduce_path)
+        finalizer.atexit = False    # at exit the pool goes too
         for module in self.modules:
             # a unit without parameters (a root over its units) still marks its forward, so a
             # read of a unit's weight from it gathers the full weight, with or without grad
             module.register_forward_pre_hook(self.steps.pre_forward)
             if params:
-                module.register_backward_pre_hook(self.steps.pre_backward)
+                register_backward_pre_hook(module, self.steps.pre_backward)
             module.register_forward_hook(self.steps.post_forward)
             # runs after post_forward, and also when the module's forward raised
             module.register_forward_hook(self.steps.after_forward_call, always_call=True)
@@ -112,6 +126,31 @@ class HSDPUnitState:
             self._order.agree(self.index, kind)
 
     # -- what the runtime and other units ask -----------------------------------------------------
+    @property
+    def modules(self) -> list:
+        return [module for module in (ref() for ref in self._modules) if module is not None]
+
+    @property
+    def forward_prefetch(self) -> list:
+        return alive_units(self._forward_prefetch)
+
+    @forward_prefetch.setter
+    def forward_prefetch(self, units: list) -> None:
+        self._forward_prefetch = [weakref.ref(unit) for unit in units]
+
+    @property
+    def backward_prefetch(self) -> Optional[list]:
+        return None if self._backward_prefetch is None else alive_units(self._backward_prefetch)
+
+    @backward_prefetch.setter
+    def backward_prefetch(self, units: Optional[list]) -> None:
+        self._backward_prefetch = None if units is None else [weakref.ref(u) for u in units]
+
+    @property
+    def uses_awaiting_backward(self) -> int:
+        """Recorded forward uses of this unit whose backward has not run."""
+        return self.steps.uses_awaiting_backward
+
     @property
     def module(self):
         return self.modules[0]
@@ -219,3 +258,31 @@ class HSDPUnitState:
             self.runtime.finish_async_reduces()
         finally:
             self.reduce_path.zero_grad()
+
+
+def _weakly(method):
+    """``method`` (bound to a unit) called through a weak reference: a part of the unit holding
+    it does not keep the unit alive (a dropped unit's call does nothing)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+    return call
+
+
+def _return_leases(memory: UnitMemory, reduce_path: UnitReduce) -> None:
+    """A unit was freed (its model dropped, maybe between micro-steps or after an exception):
+    every lease it still held goes back to the pool (an output bucket whose collective is still
+    running goes back fenced on it). Its gradients are dropped, not landed. A finalizer cannot
+    raise to anyone: a failure is logged."""
+    try:
+        try:
+            memory.abandon_prefetch()
+            memory.uninstall()
+            memory.release()
+        finally:
+            reduce_path.drop_everything()
+    except Exception:  # noqa: BLE001 - nobody to raise to
+        logger.exception("fully_shard: returning the leases of a dropped unit failed")

@@ -13,6 +13,7 @@ Pool memory never leaves the pool: autograd gets owned copies or shared zeros.
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
@@ -62,7 +63,8 @@ class UnitReduce:
         """``async_reduce``: leave each backward's reduce in flight (main_grad mode only).
         ``agree(kind)``: every rank agrees on the collective before it runs (:mod:`.order`).
         ``owner``: the unit, as the runtime's in-flight list holds it (it lands the reduce
-        through ``owner.finish_async_reduce()``)."""
+        through ``owner.finish_async_reduce()``); held weakly, as the runtime does: the unit
+        owns this path."""
         self.params = params
         self.reducer = reducer
         self.mp_policy = mp_policy
@@ -71,7 +73,7 @@ class UnitReduce:
         self.async_reduce = async_reduce
         self.async_stats = AsyncReduceStats()
         self._agree = agree
-        self._owner = owner
+        self._owner = weakref.ref(owner)
         self._pending: tuple[list[PackedBucket], list[PackedBucket]] | None = None
 
     # -- one backward ------------------------------------------------------------------------------
@@ -113,14 +115,14 @@ class UnitReduce:
         self.async_stats.launched += 1
         if any(p.reduce_in_flight() for p in self.params):
             self.async_stats.returned_in_flight += 1
-        self.runtime.in_flight.append(self._owner)
+        self.runtime.left_in_flight(self._owner())
         return self._zero_grads()
 
     def finish_async_reduce(self) -> None:
         """Wait for this unit's reduce still in flight (if any) and add it into ``main_grad``."""
-        if self._owner not in self.runtime.in_flight:
+        # taken off first: whatever happens, applied once
+        if not self.runtime.take_in_flight(self._owner()):
             return
-        self.runtime.in_flight.remove(self._owner)   # taken off first: whatever happens, applied once
         self._land_in_main_grad()
         self.async_stats.finished += 1
 
@@ -275,6 +277,21 @@ class UnitReduce:
                 raise
         for param in params:
             param.finish_local_use()
+
+    def drop_everything(self) -> None:
+        """The unit was freed: every bucket it holds goes back to the pool (micro-step buckets,
+        results in flight or not yet read, whose output buckets go back fenced on their
+        collective) and its parameters forget their gradients (a parameter outlives its unit
+        until the collector runs)."""
+        try:
+            if self._pending is not None:
+                pending, self._pending = self._pending, None
+                self.discard(pending)
+        finally:
+            for param in self.params:
+                param.clear_reduce_scatter_output()
+                param.drop_gradient()
+                param.partial = None
 
     def zero_grad(self) -> None:
         """Drop the accumulated buckets, the kept partials and every parameter's gradients."""

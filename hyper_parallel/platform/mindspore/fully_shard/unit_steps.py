@@ -23,6 +23,8 @@ backward starts right after its forward ends).
 """
 from __future__ import annotations
 
+import weakref
+
 import mindspore as ms
 from mindspore import mint
 from mindspore.common._grad_function import _Function
@@ -34,15 +36,19 @@ from hyper_parallel.platform.mindspore.fully_shard.autograd import (grad_recorde
 
 def make_gather_function(steps: "UnitSteps"):
     """The custom autograd function every forward use of the unit passes its local shards
-    through: forward gathers the full parameters, backward reduces their gradients."""
+    through: forward gathers the full parameters, backward reduces their gradients. It holds
+    ``steps`` weakly: a class is always in a reference cycle (freed by the collector only), and
+    must not keep a dropped unit alive."""
+    steps = weakref.ref(steps)
+
     class UnitGather(_Function):
         @staticmethod
         def forward(ctx, *local_params):
-            return steps.unit.memory.gather(local_params)
+            return steps().memory.gather(local_params)
 
         @staticmethod
         def backward(ctx, *grads):
-            return steps.on_backward(grads)
+            return steps().on_backward(grads)
 
     return UnitGather
 
@@ -52,7 +58,7 @@ class UnitSteps:
     :class:`.state.HSDPUnitState` front: the runtime and other units know it."""
 
     def __init__(self, unit):
-        self.unit = unit
+        self._unit = weakref.ref(unit)       # the unit owns its steps
         self.memory = unit.memory
         self.reduce_path = unit.reduce_path
         self.settings = unit.settings
@@ -66,6 +72,10 @@ class UnitSteps:
         self.uses_awaiting_backward = 0       # recorded forward uses whose backward has not run
         self._outside_uses = 0                # ... of them, reads from outside the unit
         self._installed_for_backward = False  # the backward pre-hook installed the gathered
+
+    @property
+    def unit(self):
+        return self._unit()
 
     @property
     def runtime(self):
