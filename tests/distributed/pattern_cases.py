@@ -227,6 +227,10 @@ def _inject_failures(model, run: Run, rank: int, world: int) -> dict:
             checks[f"failure in {where} raised"] = equal("injected failure" in str(exc), True)
         finally:
             FAIL["where"] = None
+        if where == "loss":
+            # the model's forward completed: its uses await a backward that never comes, and
+            # zero_grad (between steps) is what abandons them
+            model.zero_grad()
         units = model._hsdp_units()                # pylint: disable=protected-access
         checks[f"failure in {where}: uses awaiting a backward, per unit"] = equal(
             [u.steps.uses_awaiting_backward for u in units], [0] * len(units))

@@ -257,6 +257,8 @@ class FullyShardRuntime:
         logger.warning("fully_shard: a gradient computation that raised left MindSpore's grad "
                        "graph open; it is discarded before the next step")
         discard_open_grad_graph()
+        for unit in units:      # the uses it recorded will never get their backward
+            unit.settle_backward()
         return True
 
     def restore_cell_grad_flags(self) -> None:
