@@ -25,7 +25,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from gradpool.app.config import RunConfig, dump_yaml, load_config
 from gradpool.device import SUPPORTED_DEVICES
@@ -67,6 +67,13 @@ def _parser() -> argparse.ArgumentParser:
         sub_parser.set_defaults(command_name=name)
         return sub_parser
 
+    for add in (_add_train, _add_check_config, _add_launch_cmd, _add_plan, _add_export,
+                _add_bench):
+        add(command)
+    return parser
+
+
+def _add_train(command: Callable[..., argparse.ArgumentParser]) -> None:
     train = command("train", help="train the tiny DeepSeek-V3 model with fully_shard")
     train.add_argument("--config", required=True, help="run config YAML")
     _add_overrides(train)
@@ -82,11 +89,15 @@ def _parser() -> argparse.ArgumentParser:
                             "headers still are")
     train.set_defaults(command=_train)
 
+
+def _add_check_config(command: Callable[..., argparse.ArgumentParser]) -> None:
     check = command("check-config", help="print the resolved config, or what is wrong")
     check.add_argument("files", nargs="+", metavar="FILE", help="run config YAML (one or more)")
     _add_overrides(check)
     check.set_defaults(command=_check_config)
 
+
+def _add_launch_cmd(command: Callable[..., argparse.ArgumentParser]) -> None:
     launch_cmd = command("launch-cmd", help="print the msrun command and environment of one node "
                                             "(for Slurm, Kubernetes, ...)")
     launch_cmd.add_argument("--config", required=True, help="run config YAML")
@@ -95,6 +106,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_overrides(launch_cmd)
     launch_cmd.set_defaults(command=_launch_cmd)
 
+
+def _add_plan(command: Callable[..., argparse.ArgumentParser]) -> None:
     plan = command("plan", help="per-rank memory, activations and communication of a run, "
                                 "without a device")
     plan.add_argument("--config", required=True, help="run config YAML")
@@ -118,6 +131,8 @@ def _parser() -> argparse.ArgumentParser:
                            "all-gather (default: the run's, model.moe_dispatcher)")
     plan.set_defaults(command=_plan)
 
+
+def _add_export(command: Callable[..., argparse.ArgumentParser]) -> None:
     export = command("export", help="write a checkpoint's model as one safetensors file that "
                                     "plain MindSpore loads into the unsharded model")
     export.add_argument("--checkpoint", required=True, metavar="DIR",
@@ -128,6 +143,8 @@ def _parser() -> argparse.ArgumentParser:
                              "and headers still are")
     export.set_defaults(command=_export)
 
+
+def _add_bench(command: Callable[..., argparse.ArgumentParser]) -> None:
     bench = command("bench", help="copy-overhead and reduce-step benchmarks, then report")
     bench.add_argument("--device", default="CPU", choices=SUPPORTED_DEVICES)
     bench.add_argument("--nproc", type=int, default=2, help="ranks of the reduce-step suite")
@@ -141,7 +158,6 @@ def _parser() -> argparse.ArgumentParser:
                             "and 4 msrun ranks, and of an MoE stack at 4 ranks with expert "
                             "parallelism 1, 2 and 4, each beside the plan")
     bench.set_defaults(command=_bench)
-    return parser
 
 
 def _version() -> str:

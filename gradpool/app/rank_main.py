@@ -135,79 +135,138 @@ def run_rank(cfg: RunConfig, out_dir, on_step: Optional[Callable] = None,
         if os.environ.get("MS_ROLE") == "MS_SCHED":
             raise       # msrun's scheduler is no rank: its failure is msrun's to report
         return _cluster_failed(cfg, out_dir, exc)
-    reporter = rank_report.reporter_for(out_dir, rank, world)
-    outcome = RankOutcome(rank=rank, world_size=world,
-                          verify_gradients=cfg.gradpool.verify_gradients,
-                          launch_blocking=launches_blocking())
-    steps: list = []
-    model = runtime = None
+    run = _RankRun(cfg=cfg, rank=rank, world=world,
+                   reporter=rank_report.reporter_for(out_dir, rank, world),
+                   outcome=RankOutcome(rank=rank, world_size=world,
+                                       verify_gradients=cfg.gradpool.verify_gradients,
+                                       launch_blocking=launches_blocking()),
+                   log_steps=log_steps)
     try:
-        if world != cfg.launch.ranks:
-            raise InvalidArgumentError(
-                f"this process is rank {rank} of {world}, but launch.ranks = {cfg.launch.ranks}; "
-                "start exactly launch.ranks processes")
-        model = build_sharded_model(cfg)
-        runtime = runtime_for(cfg.gradpool)
-        optimizer = optimizer_for(cfg, model.trainable_params())
-        first_step = 0
-        if cfg.train.resume_from == checkpoints.LATEST:
-            cfg = _resolve_latest(cfg, runtime.comm, log_steps)
-        if cfg.train.resume_from is not None:
-            outcome.resumed = _resume(cfg, model, optimizer, runtime.comm)
-            first_step = outcome.resumed["step"]
-            if log_steps:
-                print(resumed_line(outcome.resumed), flush=True)
-        reporter.publish(STEPS, steps)
-        saves = _RankSaves(checkpoints.StepSaver(cfg, model, optimizer, world, rank),
-                           reporter, outcome, log_steps)
-
-        def write(record) -> None:
-            record.saved = saves.saver.after_step(record.step + 1)
-            steps.append(dataclasses.asdict(record))
-            reporter.publish(STEPS, steps)
-            outcome.steps = record.step + 1 - first_step
-            if log_steps:
-                print(step_line(cfg, record, rank, world), flush=True)
-            saves.committed(record.saved)
-            saves.tell_started()
-            # every rank reaches this point of every step: rank 0 learns everyone's counters,
-            # and every rank whether every background write of a save has finished
-            rows = exchange(runtime.comm, [getattr(record, n) for n, _ in STEP_FIELDS]
-                            + [int(saves.saver.written())], SYNC_FIELDS)
-            ready = saves.saver.commit_if_written(all(row[-1] for row in rows))
-            if ready is not None:
-                record.saved = steps[-1]["saved"] = ready     # at most one commit a step
-                reporter.publish(STEPS, steps)
-                saves.committed(ready)
-            rows = [row[:-1] for row in rows]
-            if rank == 0:
-                reporter.publish_entry(JOB_STEPS, str(record.step), {
-                    "step": record.step, "loss": record.loss, "saved": record.saved,
-                    "ranks": [dict(zip((n for n, _ in STEP_FIELDS), row)) for row in rows]})
-            if on_step is not None:
-                on_step(record)
-        train_sharded(cfg, model, runtime.comm, runtime.pool, on_step=write,
-                      optimizer=optimizer, first_step=first_step)
-        saves.committed(saves.saver.finish())   # the end of the run commits a background save
+        _train_rank(run, on_step)
     except Exception as exc:  # noqa: BLE001 - the process boundary: record, then report
-        outcome.status = STATUS_FAILED
-        outcome.error_type = type(exc).__name__
-        outcome.error_message = " ".join(str(exc).split()) or repr(exc)
-        logger.debug("rank %d failed", rank, exc_info=True)
-        if not _expected(exc):
-            traceback.print_exc()
-    if runtime is not None:
-        outcome.pool = dataclasses.asdict(runtime.pool.stats())
-    if model is not None:
+        _record_failure(run.outcome, rank, exc)
+    _publish_outcome(run)
+    return run.outcome
+
+
+@dataclass
+class _RankRun:
+    """A rank's run and what it has built so far: a failure's outcome reports what exists.
+    ``cfg`` is the resolved config once ``train.resume_from: latest`` is resolved."""
+    cfg: RunConfig
+    rank: int
+    world: int
+    reporter: object
+    outcome: RankOutcome
+    log_steps: bool
+    model: object = None
+    runtime: object = None
+
+
+def _train_rank(run: _RankRun, on_step: Optional[Callable]) -> None:
+    """Build, resume if asked, train and commit the last save; raises on any failure."""
+    if run.world != run.cfg.launch.ranks:
+        raise InvalidArgumentError(
+            f"this process is rank {run.rank} of {run.world}, but launch.ranks = "
+            f"{run.cfg.launch.ranks}; start exactly launch.ranks processes")
+    run.model = build_sharded_model(run.cfg)
+    run.runtime = runtime_for(run.cfg.gradpool)
+    optimizer = optimizer_for(run.cfg, run.model.trainable_params())
+    first_step = _resume_if_asked(run, optimizer)
+    steps: list = []
+    run.reporter.publish(STEPS, steps)
+    saves = _RankSaves(checkpoints.StepSaver(run.cfg, run.model, optimizer, run.world,
+                                             run.rank),
+                       run.reporter, run.outcome, run.log_steps)
+    writer = _StepWriter(run, saves, steps, first_step, on_step)
+    train_sharded(run.cfg, run.model, run.runtime.comm, run.runtime.pool, on_step=writer.write,
+                  optimizer=optimizer, first_step=first_step)
+    saves.committed(saves.saver.finish())   # the end of the run commits a background save
+
+
+def _resume_if_asked(run: _RankRun, optimizer) -> int:
+    """Resolve ``latest`` and load ``train.resume_from`` if set; the step training starts at."""
+    if run.cfg.train.resume_from == checkpoints.LATEST:
+        run.cfg = _resolve_latest(run.cfg, run.runtime.comm, run.log_steps)
+    if run.cfg.train.resume_from is None:
+        return 0
+    run.outcome.resumed = _resume(run.cfg, run.model, optimizer, run.runtime.comm)
+    if run.log_steps:
+        print(resumed_line(run.outcome.resumed), flush=True)
+    return run.outcome.resumed["step"]
+
+
+@dataclass
+class _StepWriter:
+    """After each step: record it, exchange every rank's counters, commit a finished save."""
+    run: _RankRun
+    saves: "_RankSaves"
+    steps: list                  # the report's step records, published whole each time
+    first_step: int
+    on_step: Optional[Callable]
+
+    def write(self, record) -> None:
+        self._record(record)
+        rows = self._exchange_and_commit(record)
+        if self.run.rank == 0:
+            self._publish_job_step(record, rows)
+        if self.on_step is not None:
+            self.on_step(record)
+
+    def _record(self, record) -> None:
+        run, saves = self.run, self.saves
+        record.saved = saves.saver.after_step(record.step + 1)
+        self.steps.append(dataclasses.asdict(record))
+        run.reporter.publish(STEPS, self.steps)
+        run.outcome.steps = record.step + 1 - self.first_step
+        if run.log_steps:
+            print(step_line(run.cfg, record, run.rank, run.world), flush=True)
+        saves.committed(record.saved)
+        saves.tell_started()
+
+    def _exchange_and_commit(self, record) -> list:
+        """Every rank's step counters (rank 0 publishes them); commits a save once every
+        rank's background write of it has finished."""
+        saves = self.saves
+        # every rank reaches this point of every step: rank 0 learns everyone's counters,
+        # and every rank whether every background write of a save has finished
+        rows = exchange(self.run.runtime.comm, [getattr(record, n) for n, _ in STEP_FIELDS]
+                        + [int(saves.saver.written())], SYNC_FIELDS)
+        ready = saves.saver.commit_if_written(all(row[-1] for row in rows))
+        if ready is not None:
+            record.saved = self.steps[-1]["saved"] = ready     # at most one commit a step
+            self.run.reporter.publish(STEPS, self.steps)
+            saves.committed(ready)
+        return [row[:-1] for row in rows]
+
+    def _publish_job_step(self, record, rows: list) -> None:
+        self.run.reporter.publish_entry(JOB_STEPS, str(record.step), {
+            "step": record.step, "loss": record.loss, "saved": record.saved,
+            "ranks": [dict(zip((n for n, _ in STEP_FIELDS), row)) for row in rows]})
+
+
+def _record_failure(outcome: RankOutcome, rank: int, exc: Exception) -> None:
+    outcome.status = STATUS_FAILED
+    outcome.error_type = type(exc).__name__
+    outcome.error_message = " ".join(str(exc).split()) or repr(exc)
+    logger.debug("rank %d failed", rank, exc_info=True)
+    if not _expected(exc):
+        traceback.print_exc()
+
+
+def _publish_outcome(run: _RankRun) -> None:
+    outcome = run.outcome
+    if run.runtime is not None:
+        outcome.pool = dataclasses.asdict(run.runtime.pool.stats())
+    if run.model is not None:
         outcome.verified_gradients = sum(
             getattr(getattr(p, "hsdp_param", None), "verified_gradients", 0)
-            for p in model.trainable_params())
-    reporter.publish(OUTCOME, dataclasses.asdict(outcome))
+            for p in run.model.trainable_params())
+    run.reporter.publish(OUTCOME, dataclasses.asdict(outcome))
     if outcome.ok:
         # Published first: a rank that failed never joins this exchange, and the ranks left
         # waiting in it are stopped by the launcher; their outcome is on file already.
-        _publish_job(cfg, reporter, runtime.comm, outcome)
-    return outcome
+        _publish_job(run.cfg, run.reporter, run.runtime.comm, outcome)
 
 
 class _RankSaves:

@@ -13,7 +13,7 @@ from gradpool.app.plan.geometry import _Geometry, _geometry
 from gradpool.app.plan.options import (DEVICE_MEMORY_GIB, GIB, HCCL_DEFAULT_BUFFSIZE_MIB,
                                        ITEMSIZE, MEGATRON_BUCKET_ALIGN, MEGATRON_PARAM_ALIGN,
                                        MIB, PlanOptions)
-from gradpool.app.plan.replay import _PoolReplay, _StepReplay
+from gradpool.app.plan.replay import _PoolReplay, _StepCounts, _StepReplay
 from gradpool.errors import InvalidArgumentError
 from gradpool.layout import round_up
 
@@ -172,6 +172,22 @@ class MemoryPlan:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class _Replayed:
+    """Two replayed steps of the pool: the first allocates, the second is the steady state."""
+    pool: _PoolReplay
+    allocations_first: int           # the pool's new allocations in the first step
+    steady: _StepCounts              # the second step's counts
+    partials: bool                   # HSDP partial sums: a reduce every micro-step
+
+
+@dataclass(frozen=True)
+class _BucketBytes:
+    """Each reduce's input and output bucket bytes, in the geometry's order."""
+    inputs: list
+    outputs: list
+
+
 def plan_memory(cfg: RunConfig, options: PlanOptions = PlanOptions(),
                 specs: Optional[list] = None) -> MemoryPlan:
     """The memory plan of ``cfg`` (see the module docstring); pure Python, no device.
@@ -180,23 +196,63 @@ def plan_memory(cfg: RunConfig, options: PlanOptions = PlanOptions(),
     if not isinstance(cfg, RunConfig):
         raise InvalidArgumentError(f"plan_memory needs a RunConfig, got {type(cfg).__name__}")
     geo = _geometry(cfg, specs)
+    replayed = _replay_two_steps(cfg, geo)
+    reduces = [r for unit in geo.units for r in unit.reduces]
+    sizes = _bucket_bytes(geo, replayed.pool, reduces)
+    params = _param_plan(cfg, geo, reduces)
+    pool_plan = _pool_plan(cfg, replayed, len(reduces), sizes)
+    context = _context_plan(cfg, geo, options, params, replayed.pool.high_water)
+    dispatcher = options.dispatcher_for(cfg.model.moe_dispatcher, cfg.launch.device)
+    activations = plan_activations(cfg, geo.compute_dtype, dispatcher)
+    fit = _fit(context, activations, cfg.train.micro_steps)
+    intra, inter = options.bandwidths(cfg.launch.device)
+    comm = plan_comm(cfg, geo, intra, inter, dispatcher, fit.uses_recompute)
+    experts = _experts(cfg, geo, dispatcher) if geo.expert_parallel > 1 else None
+    return MemoryPlan(
+        config=_plan_config(cfg),
+        mesh=PlanMesh(replicate=geo.replicas, shard=geo.shards, ranks=geo.replicas * geo.shards),
+        params=params, pool=pool_plan,
+        upstream=_upstream_plan(cfg, geo, replayed, len(reduces), sizes),
+        megatron=_megatron_plan(cfg, geo), copy=_copy_plan(options, replayed.steady),
+        context=context, activations=activations, comm=comm, experts=experts, fit=fit,
+        notes=_notes(cfg, pool_plan))
+
+
+def _replay_two_steps(cfg: RunConfig, geo: _Geometry) -> _Replayed:
     pool = _PoolReplay(cfg.gradpool.alignment_bytes, cfg.gradpool.max_buckets_in_flight)
     replay = _StepReplay(cfg, geo, pool)
-    replay.run()                     # the first step: what it allocates is counted below
+    replay.run()                     # the first step: what it allocates is counted apart
     allocations_first = pool.new_allocations
     steady = replay.run()
+    return _Replayed(pool=pool, allocations_first=allocations_first, steady=steady,
+                     partials=replay.partials)
+
+
+def _bucket_bytes(geo: _Geometry, pool: _PoolReplay, reduces: list) -> _BucketBytes:
     reduce_size = ITEMSIZE[geo.reduce_dtype]
-    reduces = [r for unit in geo.units for r in unit.reduces]
+    return _BucketBytes(
+        inputs=[r.layout.total_numel * reduce_size for r in reduces],
+        outputs=[round_up(r.layout.row_numel, pool.align(geo.reduce_dtype)) * reduce_size
+                 for r in reduces])
+
+
+def _plan_config(cfg: RunConfig) -> PlanConfig:
+    return PlanConfig(ranks=cfg.launch.ranks, nodes=cfg.launch.nodes,
+                      device=cfg.launch.device, comm_fusion=cfg.fully_shard.comm_fusion,
+                      bucket_cap_mib=cfg.gradpool.bucket_cap_mib,
+                      micro_steps=cfg.train.micro_steps,
+                      reshard_after_forward=cfg.fully_shard.reshard_after_forward)
+
+
+def _param_plan(cfg: RunConfig, geo: _Geometry, reduces: list) -> ParamPlan:
     slots = [slot for r in reduces for slot in r.layout.slots]
-    total_params = geo.model_numel                  # every expert, not only this rank's
     shard_numel = sum(slot.chunk_numel for slot in slots)
     valid = [sum(slot.valid_length(0 if first else unit.shards - 1) * slot.chunk_numel
                  // slot.chunk_size for unit in geo.units for r in unit.reduces
                  for slot in r.layout.slots) for first in (True, False)]
     use_main_grad = cfg.fully_shard.apply_grad_on_fp32_main_grad
-    optimizer = 2 * shard_numel * 4 if cfg.train.optimizer == "adam" else 0
-    params = ParamPlan(
-        total=total_params,
+    return ParamPlan(
+        total=geo.model_numel,                          # every expert, not only this rank's
         shard_elements=shard_numel,
         shard_bytes=shard_numel * 4,                    # the local shards are float32
         shard_padding_elements_rank0=shard_numel - valid[0],
@@ -206,24 +262,26 @@ def plan_memory(cfg: RunConfig, options: PlanOptions = PlanOptions(),
         # never leaves the pool), held until the optimizer step; main_grad mode returns shared
         # zeros
         shard_grad_bytes=0 if use_main_grad else shard_numel * 4,
-        optimizer_state_bytes=optimizer,
+        optimizer_state_bytes=2 * shard_numel * 4 if cfg.train.optimizer == "adam" else 0,
         optimizer=cfg.train.optimizer,
         compute_dtype=geo.compute_dtype,
         reduce_dtype=geo.reduce_dtype,
     )
-    inputs = [r.layout.total_numel * reduce_size for r in reduces]
-    outputs = [round_up(r.layout.row_numel, pool.align(geo.reduce_dtype)) * reduce_size
-               for r in reduces]
-    pool_plan = PoolPlan(
+
+
+def _pool_plan(cfg: RunConfig, replayed: _Replayed, reduce_buckets: int,
+               sizes: _BucketBytes) -> PoolPlan:
+    pool, steady = replayed.pool, replayed.steady
+    return PoolPlan(
         high_water_bytes=pool.high_water,
         buckets=len(pool.buckets),
-        new_allocations_step1=allocations_first,
-        new_allocations_after_step1=pool.new_allocations - allocations_first,
-        reduce_buckets_per_step=len(reduces),
+        new_allocations_step1=replayed.allocations_first,
+        new_allocations_after_step1=pool.new_allocations - replayed.allocations_first,
+        reduce_buckets_per_step=reduce_buckets,
         output_bytes=steady.output_bytes,
-        output_data_bytes=sum(outputs),
+        output_data_bytes=sum(sizes.outputs),
         input_peak_bytes=steady.input_peak,
-        largest_input_bytes=max(inputs),
+        largest_input_bytes=max(sizes.inputs),
         max_buckets_in_flight=cfg.gradpool.max_buckets_in_flight,
         padding_bytes_per_step=steady.padding_bytes,
         alignment_bytes=cfg.gradpool.alignment_bytes,
@@ -231,25 +289,39 @@ def plan_memory(cfg: RunConfig, options: PlanOptions = PlanOptions(),
         fences="until waited (Ascend)" if cfg.launch.device == "Ascend"
                   else "complete at launch (CPU)",
     )
+
+
+def _upstream_plan(cfg: RunConfig, geo: _Geometry, replayed: _Replayed, reduce_buckets: int,
+                   sizes: _BucketBytes) -> UpstreamPlan:
+    """Upstream's figures: each reduce allocates its input and output buckets afresh."""
+    reduce_size = ITEMSIZE[geo.reduce_dtype]
+    align = replayed.pool.align(geo.reduce_dtype)
     unit_sums = [sum(r.layout.total_numel * reduce_size
-                     + round_up(r.layout.row_numel, pool.align(geo.reduce_dtype)) * reduce_size
+                     + round_up(r.layout.row_numel, align) * reduce_size
                      for r in unit.reduces) for unit in geo.units]
-    upstream = UpstreamPlan(
+    return UpstreamPlan(
         transient_peak_bytes=max(unit_sums),
-        allocations_per_step=2 * len(reduces) * (cfg.train.micro_steps if replay.partials
-                                                     else 1),
-        bytes_allocated_per_step=sum(inputs) + sum(outputs),
-        bytes_copied_per_step=steady.bytes_copied,
+        allocations_per_step=2 * reduce_buckets * (cfg.train.micro_steps if replayed.partials
+                                                   else 1),
+        bytes_allocated_per_step=sum(sizes.inputs) + sum(sizes.outputs),
+        bytes_copied_per_step=replayed.steady.bytes_copied,
     )
-    main_grad_size = 4 if use_main_grad else reduce_size
+
+
+def _megatron_plan(cfg: RunConfig, geo: _Geometry) -> MegatronPlan:
+    use_main_grad = cfg.fully_shard.apply_grad_on_fp32_main_grad
+    main_grad_size = 4 if use_main_grad else ITEMSIZE[geo.reduce_dtype]
     buffer = sum(round_up(sum(round_up(s.numel, MEGATRON_PARAM_ALIGN) for s in unit.specs),
                           math.lcm(unit.shards, MEGATRON_BUCKET_ALIGN))
                  for unit in geo.units) * main_grad_size
-    megatron = MegatronPlan(buffer_bytes=buffer, bytes_copied_per_step=0,
-                            dtype="float32" if use_main_grad else geo.reduce_dtype)
+    return MegatronPlan(buffer_bytes=buffer, bytes_copied_per_step=0,
+                        dtype="float32" if use_main_grad else geo.reduce_dtype)
+
+
+def _copy_plan(options: PlanOptions, steady: _StepCounts) -> CopyPlan:
     bandwidth = options.hbm_gbps * 1e9 * options.copy_efficiency
     moved = steady.bytes_copied + steady.bytes_read
-    copy = CopyPlan(
+    return CopyPlan(
         bytes_copied_per_step=steady.bytes_copied,
         bytes_read_per_step=steady.bytes_read,
         estimated_seconds=moved / bandwidth,
@@ -257,20 +329,29 @@ def plan_memory(cfg: RunConfig, options: PlanOptions = PlanOptions(),
         copy_efficiency=options.copy_efficiency,
         estimate=True,
     )
-    largest = max(geo.units, key=lambda u: u.numel)
-    unit_numel = largest.numel
+
+
+def _communicators(cfg: RunConfig, geo: _Geometry) -> int:
+    """The communicators a rank creates (each holds HCCL buffers on Ascend)."""
     communicators = 1 if geo.replicas == 1 and geo.shards == cfg.launch.ranks else (
         1 + (geo.shards > 1) + (geo.replicas > 1))
     if geo.expert_parallel > 1:      # the EP group's (dispatch) and the EDP group's
         communicators += 1 + (geo.expert_shards > 1)
+    return communicators
+
+
+def _context_plan(cfg: RunConfig, geo: _Geometry, options: PlanOptions, params: ParamPlan,
+                  pool_high_water: int) -> ContextPlan:
+    largest = max(geo.units, key=lambda u: u.numel)
+    communicators = _communicators(cfg, geo)
     buffsize = cfg.launch.hccl_buffsize_mib or HCCL_DEFAULT_BUFFSIZE_MIB
-    gathered = unit_numel * ITEMSIZE[geo.compute_dtype]
+    gathered = largest.numel * ITEMSIZE[geo.compute_dtype]
     hccl = communicators * 2 * buffsize * MIB if cfg.launch.device == "Ascend" else 0
     memory = options.device_memory_gib or DEVICE_MEMORY_GIB.get(cfg.launch.device)
     state_and_pool = params.shard_bytes + params.main_grad_bytes + params.shard_grad_bytes \
-        + optimizer + pool.high_water + hccl
+        + params.optimizer_state_bytes + pool_high_water + hccl
     at_once = _gathered_at_once(cfg, geo)
-    context = ContextPlan(
+    return ContextPlan(
         largest_unit=largest.name, largest_unit_gathered_bytes=gathered,
         largest_unit_grad_bytes=gathered,
         all_gathered_bytes=sum(u.numel for u in geo.units) * ITEMSIZE[geo.compute_dtype],
@@ -278,23 +359,6 @@ def plan_memory(cfg: RunConfig, options: PlanOptions = PlanOptions(),
         device_memory_bytes=int(memory * GIB) if memory else None,
         state_and_pool_bytes=state_and_pool, with_one_unit_bytes=state_and_pool + 2 * gathered,
         gathered_at_once_bytes=at_once, as_implemented_bytes=state_and_pool + at_once + gathered)
-    notes = _notes(cfg, pool_plan)
-    dispatcher = options.dispatcher_for(cfg.model.moe_dispatcher, cfg.launch.device)
-    activations = plan_activations(cfg, geo.compute_dtype, dispatcher)
-    fit = _fit(context, activations, cfg.train.micro_steps)
-    intra, inter = options.bandwidths(cfg.launch.device)
-    comm = plan_comm(cfg, geo, intra, inter, dispatcher, fit.uses_recompute)
-    experts = _experts(cfg, geo, dispatcher) if geo.expert_parallel > 1 else None
-    return MemoryPlan(
-        config=PlanConfig(ranks=cfg.launch.ranks, nodes=cfg.launch.nodes,
-                          device=cfg.launch.device, comm_fusion=cfg.fully_shard.comm_fusion,
-                          bucket_cap_mib=cfg.gradpool.bucket_cap_mib,
-                          micro_steps=cfg.train.micro_steps,
-                          reshard_after_forward=cfg.fully_shard.reshard_after_forward),
-        mesh=PlanMesh(replicate=geo.replicas, shard=geo.shards, ranks=geo.replicas * geo.shards),
-        params=params, pool=pool_plan, upstream=upstream, megatron=megatron, copy=copy,
-        context=context, activations=activations, comm=comm, experts=experts, fit=fit,
-        notes=notes)
 
 
 def _fit(context: ContextPlan, activations: ActivationPlan, micro_steps: int) -> FitPlan:
