@@ -5,7 +5,7 @@ import pytest
 
 from suite_tests import SuiteTests
 
-pytest.importorskip("mindformers", reason="mindformers 2.1.0 is installed by `make setup`")
+pytest.importorskip("mindformers.pynative", reason="mindformers 2.1.0 is installed by `make mindformers`")
 pytestmark = pytest.mark.distributed
 
 

@@ -83,7 +83,18 @@ def _mesh_case(name: str, config: dict) -> None:
     suite.add(name, case)
 
 
-if importlib.util.find_spec("mindformers") is not None:
+def _mindformers_installed() -> bool:
+    """The mindformers distribution is installed (not merely a directory named mindformers on
+    sys.path: tests/mindformers is a namespace package when tests/ is on the path)."""
+    import importlib.metadata
+    try:
+        importlib.metadata.distribution("mindformers")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+if _mindformers_installed():
     _mesh_case("parallel_dims_hsdp_2x2", dict(dp_replicate=2, dp_shard=2, ep=1))
     _mesh_case("parallel_dims_fsdp4_ep2", dict(dp_replicate=1, dp_shard=4, ep=2))
     _mesh_case("parallel_dims_hsdp_2x2_ep2", dict(dp_replicate=2, dp_shard=2, ep=2))
