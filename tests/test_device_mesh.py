@@ -15,18 +15,10 @@ from hyper_parallel import DeviceMesh
 from hyper_parallel.core import device_mesh as device_mesh_module
 from hyper_parallel.core import mesh_layout
 
-def _mindformers_installed() -> bool:
-    """The mindformers distribution is installed (not merely a directory named mindformers on
-    sys.path: tests/mindformers is a namespace package when tests/ is on the path)."""
-    import importlib.metadata
-    try:
-        importlib.metadata.distribution("mindformers")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
+from installed import mindformers_installed
 
 
-HAS_MINDFORMERS = _mindformers_installed()
+HAS_MINDFORMERS = mindformers_installed()
 
 
 def grid_of(shape, ranks):

@@ -20,18 +20,10 @@ class TestMeshMetaOn4Ranks(SuiteTests):
     SCRIPT, NPROC, TIMEOUT, BLOCKING = "meshmeta_cases_4.py", 4, 1200, True
 
 
-def _mindformers_installed() -> bool:
-    """The mindformers distribution is installed (not merely a directory named mindformers on
-    sys.path: tests/mindformers is a namespace package when tests/ is on the path)."""
-    import importlib.metadata
-    try:
-        importlib.metadata.distribution("mindformers")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
+from installed import mindformers_installed
 
 
-@pytest.mark.skipif(_mindformers_installed(),
+@pytest.mark.skipif(mindformers_installed(),
                     reason="mindformers is installed: its ParallelDims cases run above")
 def test_parallel_dims_cases_need_mindformers():
     pytest.skip("mindformers is not installed: the ParallelDims mesh cases did not run "

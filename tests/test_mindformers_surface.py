@@ -23,18 +23,10 @@ from gradpool import FeatureNotProvidedError
 from hyper_parallel.core.not_provided import SCOPE, refused_feature
 
 
-def _mindformers_installed() -> bool:
-    """The mindformers distribution is installed (not merely a directory named mindformers on
-    sys.path: tests/mindformers is a namespace package when tests/ is on the path)."""
-    import importlib.metadata
-    try:
-        importlib.metadata.distribution("mindformers")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
+from installed import mindformers_installed
 
 
-_SPEC = importlib.util.find_spec("mindformers") if _mindformers_installed() else None
+_SPEC = importlib.util.find_spec("mindformers") if mindformers_installed() else None
 pytestmark = pytest.mark.skipif(_SPEC is None,
                                 reason="mindformers 2.1.0 is installed by `make setup`")
 MINDFORMERS = Path(_SPEC.origin).parent if _SPEC is not None else None

@@ -87,18 +87,9 @@ def _mesh_case(name: str, config: dict) -> None:
     suite.add(name, case)
 
 
-def _mindformers_installed() -> bool:
-    """The mindformers distribution is installed (not merely a directory named mindformers on
-    sys.path: tests/mindformers is a namespace package when tests/ is on the path)."""
-    import importlib.metadata
-    try:
-        importlib.metadata.distribution("mindformers")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
+from installed import mindformers_installed  # noqa: E402
 
-
-if _mindformers_installed():
+if mindformers_installed():
     _mesh_case("parallel_dims_fsdp", dict(dp_replicate=1, dp_shard=-1, ep=1))
     _mesh_case("parallel_dims_hsdp_2x1", dict(dp_replicate=2, dp_shard=1, ep=1))
     _mesh_case("parallel_dims_ep2", dict(dp_replicate=1, dp_shard=2, ep=2))
