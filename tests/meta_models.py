@@ -6,7 +6,8 @@
 * :func:`cpu_initialisers`: MindSpore 2.10 has no CPU kernel for ``InplaceNormal``,
   ``InplaceZero`` or ``InplaceFillScalar``; within it ``Tensor.normal_`` / ``zero_`` / ``fill_``
   are test stand-ins drawing from NumPy's global generator (seeded by the test), written with
-  ``Tensor.copy_``. Both the unsharded reference and the sharded model run the same stand-ins,
+  ``Tensor.copy_``. ``normal_`` is marked ``continues_across_calls`` (a sharded parameter is
+  drawn block by block) unless ``block_by_block=False`` (the full draw MindSpore's own op gets). Both the unsharded reference and the sharded model run the same stand-ins,
   so what is compared is how an initialiser of the full parameter reaches the local shards.
 * :func:`build_meta` is the Trainer's order: build under ``DeviceCtx("meta")``, ``fully_shard``
   each block inside that context, ``to_empty()``, ``init_states()`` under no-grad.
@@ -22,14 +23,23 @@ from mindspore.graph.api import _no_grad
 
 from hyper_parallel import fully_shard
 from hyper_parallel.core.fully_shard.utils import MixedPrecisionPolicy
+from hyper_parallel.platform.mindspore.fully_shard.meta_init import continues_across_calls
 
 MAIN_GRAD = MixedPrecisionPolicy(reduce_dtype=ms.float32, apply_grad_on_fp32_main_grad=True)
 
 
 @contextlib.contextmanager
-def cpu_initialisers():
+def cpu_initialisers(block_by_block: bool = True, draws: list | None = None):
+    """``block_by_block``: mark the ``normal_`` stand-in ``continues_across_calls`` (true of it:
+    consecutive legacy NumPy draws continue one stream). ``draws``: each tensor size the stand-in
+    ``normal_`` fills is appended to it."""
     def normal_(self, mean=0.0, std=1.0, generator=None):
+        if draws is not None:
+            draws.append(int(np.prod(self.shape)))
         return _write(self, np.random.normal(mean, std, self.shape))
+
+    if block_by_block:
+        continues_across_calls(normal_)
 
     def fill_(self, value):
         return _write(self, np.full(self.shape, value))
