@@ -123,12 +123,13 @@ class Net(nn.Cell):
                 cell.reset_parameter()
 
 
-def shard(net: Net, mesh=None) -> Net:
-    """apply_fsdp's shape: each block its unit, the head its own, the root last."""
+def shard(net: Net, mesh=None, placement=None) -> Net:
+    """apply_fsdp's shape: each block its unit, the head its own, the root last
+    (``placement``: fully_shard's ``shard_placement_fn``)."""
     for block in net.layers:
-        fully_shard(block, mesh=mesh, mp_policy=MAIN_GRAD)
-    fully_shard(net.head, mesh=mesh, mp_policy=MAIN_GRAD)
-    fully_shard(net, mesh=mesh, mp_policy=MAIN_GRAD)
+        fully_shard(block, mesh=mesh, mp_policy=MAIN_GRAD, shard_placement_fn=placement)
+    fully_shard(net.head, mesh=mesh, mp_policy=MAIN_GRAD, shard_placement_fn=placement)
+    fully_shard(net, mesh=mesh, mp_policy=MAIN_GRAD, shard_placement_fn=placement)
     return net
 
 
@@ -141,12 +142,12 @@ def build_reference(seed: int, **sizes) -> Net:
     return net
 
 
-def build_meta(seed: int, mesh=None, **sizes) -> Net:
+def build_meta(seed: int, mesh=None, placement=None, **sizes) -> Net:
     """mindformers' Trainer order: meta build, fully_shard inside the meta context,
     ``to_empty()``, ``init_states()`` under no-grad."""
     with ms.DeviceCtx("meta"):
         net = Net(**sizes)
-        shard(net, mesh)
+        shard(net, mesh, placement)
     net.to_empty()
     np.random.seed(seed)
     with _no_grad():

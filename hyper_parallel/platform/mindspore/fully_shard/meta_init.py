@@ -60,6 +60,7 @@ CONSTANT_INITIALISERS = ("fill_", "zero_")
 # a block drawn by an initialiser marked continues_across_calls holds at most this many bytes
 BLOCK_BYTES = 1 << 20
 _CONTINUES = "continues_across_calls"
+_SHARED_HOST = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
 def is_meta(tensor) -> bool:
@@ -220,7 +221,8 @@ def host_shard_values(full: ms.Tensor, slot, rank: int) -> np.ndarray:
 def _write(local: Parameter, chunk: np.ndarray) -> None:
     """``chunk`` into the shard's own memory (the class's ``copy_``: a whole tensor at offset 0,
     which writes through on every backend)."""
-    value = ms.Tensor(chunk)
+    # NumPy's own dtypes: the tensor shares the array's memory (no second chunk-sized copy)
+    value = ms.Tensor.from_numpy(chunk) if chunk.dtype in _SHARED_HOST else ms.Tensor(chunk)
     if value.dtype != local.dtype:
         value = value.astype(local.dtype)
     ms.Tensor.copy_(local, value)
