@@ -6,7 +6,8 @@
 * :func:`cpu_initialisers`: MindSpore 2.10 has no CPU kernel for ``InplaceNormal``,
   ``InplaceZero`` or ``InplaceFillScalar``; within it ``Tensor.normal_`` / ``zero_`` / ``fill_``
   are test stand-ins drawing from NumPy's global generator (seeded by the test), written with
-  ``Tensor.copy_``. Both the unsharded reference and the sharded model run the same stand-ins,
+  ``Tensor.copy_``. ``normal_`` is marked ``continues_across_calls`` (a sharded parameter is
+  drawn block by block) unless ``block_by_block=False`` (the full draw MindSpore's own op gets). Both the unsharded reference and the sharded model run the same stand-ins,
   so what is compared is how an initialiser of the full parameter reaches the local shards.
 * :func:`build_meta` is the Trainer's order: build under ``DeviceCtx("meta")``, ``fully_shard``
   each block inside that context, ``to_empty()``, ``init_states()`` under no-grad.
@@ -22,14 +23,23 @@ from mindspore.graph.api import _no_grad
 
 from hyper_parallel import fully_shard
 from hyper_parallel.core.fully_shard.utils import MixedPrecisionPolicy
+from hyper_parallel.platform.mindspore.fully_shard.meta_init import continues_across_calls
 
 MAIN_GRAD = MixedPrecisionPolicy(reduce_dtype=ms.float32, apply_grad_on_fp32_main_grad=True)
 
 
 @contextlib.contextmanager
-def cpu_initialisers():
+def cpu_initialisers(block_by_block: bool = True, draws: list | None = None):
+    """``block_by_block``: mark the ``normal_`` stand-in ``continues_across_calls`` (true of it:
+    consecutive legacy NumPy draws continue one stream). ``draws``: each tensor size the stand-in
+    ``normal_`` fills is appended to it."""
     def normal_(self, mean=0.0, std=1.0, generator=None):
+        if draws is not None:
+            draws.append(int(np.prod(self.shape)))
         return _write(self, np.random.normal(mean, std, self.shape))
+
+    if block_by_block:
+        continues_across_calls(normal_)
 
     def fill_(self, value):
         return _write(self, np.full(self.shape, value))
@@ -113,12 +123,13 @@ class Net(nn.Cell):
                 cell.reset_parameter()
 
 
-def shard(net: Net, mesh=None) -> Net:
-    """apply_fsdp's shape: each block its unit, the head its own, the root last."""
+def shard(net: Net, mesh=None, placement=None) -> Net:
+    """apply_fsdp's shape: each block its unit, the head its own, the root last
+    (``placement``: fully_shard's ``shard_placement_fn``)."""
     for block in net.layers:
-        fully_shard(block, mesh=mesh, mp_policy=MAIN_GRAD)
-    fully_shard(net.head, mesh=mesh, mp_policy=MAIN_GRAD)
-    fully_shard(net, mesh=mesh, mp_policy=MAIN_GRAD)
+        fully_shard(block, mesh=mesh, mp_policy=MAIN_GRAD, shard_placement_fn=placement)
+    fully_shard(net.head, mesh=mesh, mp_policy=MAIN_GRAD, shard_placement_fn=placement)
+    fully_shard(net, mesh=mesh, mp_policy=MAIN_GRAD, shard_placement_fn=placement)
     return net
 
 
@@ -131,12 +142,12 @@ def build_reference(seed: int, **sizes) -> Net:
     return net
 
 
-def build_meta(seed: int, mesh=None, **sizes) -> Net:
+def build_meta(seed: int, mesh=None, placement=None, **sizes) -> Net:
     """mindformers' Trainer order: meta build, fully_shard inside the meta context,
     ``to_empty()``, ``init_states()`` under no-grad."""
     with ms.DeviceCtx("meta"):
         net = Net(**sizes)
-        shard(net, mesh)
+        shard(net, mesh, placement)
     net.to_empty()
     np.random.seed(seed)
     with _no_grad():

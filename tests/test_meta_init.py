@@ -12,6 +12,7 @@ import meta_models
 from gradpool import BucketPool, MetaDeviceError, device_target, real_device_target
 from gradpool import runtime as runtime_module
 from hyper_parallel import fully_shard
+from hyper_parallel.platform.mindspore.fully_shard import meta_init
 
 ms.set_device("CPU")
 X = ms.Tensor(np.random.default_rng(2).standard_normal((3, 11)).astype(np.float32))
@@ -31,19 +32,42 @@ def loss_and_grads(net):
     return float(loss.asnumpy()), [np.array(p.main_grad.asnumpy()) for p in params]
 
 
-def test_meta_init_gives_the_values_of_initialising_on_the_device_then_sharding():
+# (normal_ marked continues_across_calls, block budget): the whole chunk in one block; 7
+# elements a block, across rows of 11; the full draw MindSpore's own ops get
+DRAWS = [(True, None), (True, 28), (False, None)]
+
+
+@pytest.mark.parametrize("block_by_block, block_bytes", DRAWS)
+def test_meta_init_gives_the_values_of_initialising_on_the_device_then_sharding(
+        monkeypatch, caplog, block_by_block, block_bytes):
+    if block_bytes is not None:
+        monkeypatch.setattr(meta_init, "BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(meta_init, "_FULL_DRAW_LOGGED", set())
     reference = meta_models.shard(meta_models.build_reference(seed=7))
     expected = meta_models.local_values(reference)
-    built = meta_models.build_meta(seed=7)
+    next_after_reference = np.random.normal(size=5)     # the stream where the init left it
+    draws = []
+    with meta_models.cpu_initialisers(block_by_block, draws), caplog.at_level("INFO"):
+        built = meta_models.build_meta(seed=7)
+    next_after_built = np.random.normal(size=5)
     got = meta_models.local_values(built)
     assert list(got) == list(expected)
     for name, values in expected.items():
         np.testing.assert_array_equal(got[name], values, err_msg=name)
+    np.testing.assert_array_equal(next_after_built, next_after_reference)
     # random draws really ran (not zeros), and every parameter is on the real device
     assert np.abs(got["embed.weight"]).max() > 0
     assert all(p.device == "CPU" for p in built.trainable_params())
     assert all(p.main_grad.device == "CPU" for p in built.trainable_params())
-    assert loss_and_grads(built)[0] == loss_and_grads(reference)[0]
+    if block_by_block and block_bytes is None:      # what the values give, once
+        assert loss_and_grads(built)[0] == loss_and_grads(reference)[0]
+    # the draws: in blocks of the budget, or the full parameters (6 x 11 first), logged once
+    full_draw = "normal_ on a sharded parameter draws the full parameter"
+    if block_bytes is not None:
+        assert max(draws) == 7 and sum(draws) == 66 + 2 * (42 + 42) + 66
+    else:
+        assert draws == [66, 42, 42, 42, 42, 66]
+    assert caplog.text.count(full_draw) == (0 if block_by_block else 1)
 
 
 def test_fully_shard_under_meta_records_shards_without_memory():
