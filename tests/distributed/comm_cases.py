@@ -381,5 +381,31 @@ def rank_rows_cross_exactly(ctx: Context) -> dict:
     return {"rows": equal(exchange(ctx.comm, rows[ctx.rank], OUTCOME_FIELDS), rows)}
 
 
+
+@suite.case
+def state_held_by_some_ranks_is_shared(ctx: Context) -> dict:
+    """hyper_parallel's state of some ranks only (experts under EP), over the exchange: rank r
+    holds ``common`` and ``own.r`` (distinct name lists, so digests differ and the lists travel);
+    every rank learns who holds what and gets every tensor from its holder, values intact."""
+    from hyper_parallel.core.fully_shard.held_by_some import share_full_tensors, world_keys
+    world = ctx.world_size
+
+    def values(rank: int, shape) -> np.ndarray:
+        return rank_values(rank, int(np.prod(shape)), seed=7).reshape(shape)
+    shapes = {r: (3, 5 + r) for r in range(world)}
+    local = {"common": ms.Tensor(values(0, (4,)).astype(np.float32)),
+             f"own.{ctx.rank}": ms.Tensor(values(ctx.rank, shapes[ctx.rank]).astype(np.float32))}
+    keys = world_keys({name: (tuple(t.shape), "float32") for name, t in local.items()},
+                      ctx.comm)
+    full = share_full_tensors(local, ctx.comm)
+    return {"holders": equal({name: list(key.holders) for name, key in sorted(keys.items())},
+                             {"common": list(range(world)),
+                              **{f"own.{r}": [r] for r in range(world)}}),
+            "names": equal(sorted(full), sorted(["common"] + [f"own.{r}" for r in range(world)])),
+            **{f"own.{r}": allclose(full.get(f"own.{r}", np.zeros(0)), values(r, shapes[r]),
+                                    ms.float32)
+               for r in range(world)}}
+
+
 if __name__ == "__main__":
     suite.main()
