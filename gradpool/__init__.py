@@ -33,6 +33,7 @@ if TYPE_CHECKING:
                                  StateMismatchError, UnsupportedDtypeError,
                                  UnsupportedPatternError, check_bool, check_int,
                                  check_positive_number)
+    from gradpool.exchange import all_sum, all_sum_ints, exchange_ints, exchange_values
     from gradpool.gathered import GatheredParam, GatheredStats
     from gradpool.layout import GradSlot, ReduceScatterLayout, fusion_groups
     from gradpool.pack import Written, chunk_rows, flat_view, local_shard, shard_views, unshard

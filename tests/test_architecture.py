@@ -1,6 +1,6 @@
 """The layering of gradpool, enforced on the source: imports only point down.
 
-Bottom up: errors; layout, reuse, dtypes, device; pool | comm | gathered (siblings); pack (the
+Bottom up: errors; layout, reuse, dtypes, device; pool | comm | exchange | gathered (siblings); pack (the
 device writer); host (the CPU host writer: kernels, views, writer); writers; reducer; runtime and
 testing. hyper_parallel sits on top and imports gradpool only through its root; gradpool.app, the
 CLI and the benchmarks runner sit on top of both.
@@ -16,7 +16,7 @@ CORE = ROOT / "gradpool"
 HOST = CORE / "host"
 # A core module (or subpackage, "host") may import only core modules of a strictly lower layer.
 LAYER = {"errors": 0, "layout": 1, "reuse": 1, "dtypes": 1, "device": 1, "pool": 2, "comm": 2,
-         "gathered": 2, "pack": 3, "host": 4, "writers": 5, "reducer": 6, "runtime": 7,
+         "exchange": 2, "gathered": 2, "pack": 3, "host": 4, "writers": 5, "reducer": 6, "runtime": 7,
          "testing": 7}
 # Inside the host subpackage, the same rule among its modules.
 HOST_LAYER = {"kernels": 0, "views": 1, "writer": 2}

@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import logging
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +30,7 @@ from gradpool.app.config import RunConfig, dump_yaml, load_config
 from gradpool.device import SUPPORTED_DEVICES
 from gradpool.errors import CheckpointError, InvalidArgumentError, StateMismatchError
 from gradpool.app.errors import ConfigError
+from gradpool.app.train_output import byte_text, print_summary, step_printer
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 DEFAULT_REFERENCE_RTOL = 1e-3
@@ -224,51 +224,17 @@ def _checked_launch(path: str, overrides: list) -> Optional[RunConfig]:
 
 # -- train -------------------------------------------------------------------------------------
 def _train(args) -> int:
-    _positive("--timeout", args.timeout)
-    _positive("--reference-rtol", args.reference_rtol)
-    overrides = [*args.overrides, "train.verify_checkpoint=false"] if args.no_verify else \
-        args.overrides
-    cfg = _checked_launch(args.config, overrides)
-    if cfg is None:
+    checked = _train_config(args)
+    if checked is None:
         return EXIT_USAGE
-    cfg = _checkpoint_paths(cfg)
-    cfg, resume, notes = _checked_resume(cfg)
-    if resume is False or not _save_dir_writable(cfg, args.config):
+    cfg, resume, notes = checked
+    from gradpool.app.job import TrainJobError, run_job
+    _announce_train(args, cfg, resume, notes)
+    log_dir = _log_dir_or_none(cfg, args.config)
+    if log_dir is None:
         return EXIT_USAGE
-    from gradpool.app.job import TrainJobError, compare_with_reference, prepare_log_dir, run_job
-
-    launch = cfg.launch
-    where = "in this process" if launch.ranks == 1 else "under msrun"
-    if launch.nodes > 1:
-        last = launch.first_rank + launch.local_ranks - 1
-        print(f"gradpool train: node {launch.node_rank} of {launch.nodes}: ranks "
-              f"{launch.first_rank}-{last} of {launch.ranks} {launch.device} rank(s), master "
-              f"{launch.master_addr}:{launch.master_port}, config {args.config}"
-              + (f" with {', '.join(args.overrides)}" if args.overrides else ""), flush=True)
-    else:
-        print(f"gradpool train: {launch.ranks} {launch.device} rank(s) {where}, config "
-              f"{args.config}" + (f" with {', '.join(args.overrides)}" if args.overrides else ""),
-              flush=True)
-    for note in notes:
-        print(f"gradpool train: {note}", flush=True)
-    if resume is not None:
-        print(f"gradpool train: resuming from {resume.path} at step {resume.step} of "
-              f"{cfg.train.steps} (saved at {resume.world_size} rank(s))", flush=True)
     try:
-        log_dir = prepare_log_dir(cfg)
-    except OSError as exc:
-        print(f"gradpool: config error: {args.config}: launch.log_dir = {launch.log_dir!r} "
-              f"cannot be written ({exc.strerror or exc}); give a writable directory",
-              file=sys.stderr)
-        return EXIT_USAGE
-    # before anything starts: a run that hangs must not hide where its logs are
-    print(f"gradpool train: logs in {log_dir}", flush=True)
-    if launch.ranks > 1 and launch.node_rank == 0:
-        print(f"(step lines: time of the slowest rank; copied, copy rate and high-water per "
-              f"rank, the largest / slowest; new allocations of all {launch.ranks} ranks)",
-              flush=True)
-    try:
-        result = run_job(cfg, on_step=_print_step(cfg.train.steps), timeout=args.timeout,
+        result = run_job(cfg, on_step=step_printer(cfg.train.steps), timeout=args.timeout,
                          log_dir=log_dir)
     except TrainJobError as exc:
         print(f"gradpool train: FAILED: {exc.reason}", file=sys.stderr)
@@ -277,25 +243,94 @@ def _train(args) -> int:
         return EXIT_FAILED
     print(f"logs and step records in {result.log_dir}")
     if result.node_rank != 0:
-        print(f"node {result.node_rank}: ranks {', '.join(str(o.rank) for o in result.outcomes)} "
-              f"finished {min(o.steps for o in result.outcomes)} steps each, ok; node 0 prints "
-              "the job's steps and summary")
-        if args.reference:
-            print("reference: run by node 0 only")
+        _print_other_node(result, args.reference)
         return EXIT_OK
-    _print_summary(result)
-    if not args.reference:
-        return EXIT_OK
+    print_summary(result)
+    return _compare_with_reference(cfg, result, args.reference_rtol) if args.reference \
+        else EXIT_OK
+
+
+def _train_config(args) -> Optional[tuple]:
+    """``(cfg, resume, notes)`` of ``gradpool train``'s arguments, checked before anything
+    starts (the checkpoint paths absolute, ``latest`` resolved); None after a usage error was
+    printed."""
+    _positive("--timeout", args.timeout)
+    _positive("--reference-rtol", args.reference_rtol)
+    overrides = [*args.overrides, "train.verify_checkpoint=false"] if args.no_verify else \
+        args.overrides
+    cfg = _checked_launch(args.config, overrides)
+    if cfg is None:
+        return None
+    cfg = _checkpoint_paths(cfg)
+    cfg, resume, notes = _checked_resume(cfg)
+    if resume is False or not _save_dir_writable(cfg, args.config):
+        return None
+    return cfg, resume, notes
+
+
+def _announce_train(args, cfg: RunConfig, resume, notes: list) -> None:
+    """What is about to run, where, from which config (and checkpoint)."""
+    launch = cfg.launch
+    where = "in this process" if launch.ranks == 1 else "under msrun"
+    given = f" with {', '.join(args.overrides)}" if args.overrides else ""
+    if launch.nodes > 1:
+        last = launch.first_rank + launch.local_ranks - 1
+        print(f"gradpool train: node {launch.node_rank} of {launch.nodes}: ranks "
+              f"{launch.first_rank}-{last} of {launch.ranks} {launch.device} rank(s), master "
+              f"{launch.master_addr}:{launch.master_port}, config {args.config}" + given,
+              flush=True)
+    else:
+        print(f"gradpool train: {launch.ranks} {launch.device} rank(s) {where}, config "
+              f"{args.config}" + given, flush=True)
+    for note in notes:
+        print(f"gradpool train: {note}", flush=True)
+    if resume is not None:
+        print(f"gradpool train: resuming from {resume.path} at step {resume.step} of "
+              f"{cfg.train.steps} (saved at {resume.world_size} rank(s))", flush=True)
+
+
+def _log_dir_or_none(cfg: RunConfig, config_path) -> Optional[Path]:
+    """The run's log directory, made and printed before anything starts (a run that hangs must
+    not hide where its logs are); None after a usage error was printed."""
+    from gradpool.app.job import prepare_log_dir
+    launch = cfg.launch
+    try:
+        log_dir = prepare_log_dir(cfg)
+    except OSError as exc:
+        print(f"gradpool: config error: {config_path}: launch.log_dir = {launch.log_dir!r} "
+              f"cannot be written ({exc.strerror or exc}); give a writable directory",
+              file=sys.stderr)
+        return None
+    print(f"gradpool train: logs in {log_dir}", flush=True)
+    if launch.ranks > 1 and launch.node_rank == 0:
+        print(f"(step lines: time of the slowest rank; copied, copy rate and high-water per "
+              f"rank, the largest / slowest; new allocations of all {launch.ranks} ranks)",
+              flush=True)
+    return log_dir
+
+
+def _print_other_node(result, reference: bool) -> None:
+    """A node other than 0 says its ranks finished; node 0 prints the job's steps."""
+    print(f"node {result.node_rank}: ranks {', '.join(str(o.rank) for o in result.outcomes)} "
+          f"finished {min(o.steps for o in result.outcomes)} steps each, ok; node 0 prints "
+          "the job's steps and summary")
+    if reference:
+        print("reference: run by node 0 only")
+
+
+def _compare_with_reference(cfg: RunConfig, result, rtol: float) -> int:
+    """``--reference``: the unsharded model trained here on the same batches; the exit code."""
+    from gradpool.app.job import compare_with_reference
     print("reference: training the unsharded model in this process on the same batches ...",
           flush=True)
     comparison = compare_with_reference(cfg, result.records)
     print(f"reference: largest loss difference {comparison.max_abs_diff:.3g} absolute, "
           f"{comparison.max_rel_diff:.3g} relative over {len(comparison.reference_losses)} steps "
-          f"(tolerance {args.reference_rtol:g} relative)")
-    if not comparison.within(args.reference_rtol):
+          f"(tolerance {rtol:g} relative)")
+    if not comparison.within(rtol):
         print(f"gradpool train: FAILED: sharded losses {list(comparison.sharded_losses)} differ "
               f"from the reference {list(comparison.reference_losses)} by more than "
-              f"{args.reference_rtol:g} relative", file=sys.stderr)
+              f"{rtol:g} relative", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
 
@@ -348,98 +383,6 @@ def _save_dir_writable(cfg: RunConfig, config: str) -> bool:
               f"written ({exc.strerror or exc}); give a writable directory", file=sys.stderr)
         return False
     return True
-
-
-def _print_step(total: int):
-    width = len(str(total))
-
-    def show(record) -> None:
-        print(f"step {record.step + 1:>{width}}/{total}  loss {record.loss:.6f}  "
-              f"time {record.seconds * 1e3:8.1f} ms  copied {_bytes(record.bytes_copied):>10}  "
-              f"copy {record.copy_gbps:6.2f} GB/s  new allocations {record.new_allocations:3d}  "
-              f"pool high-water {_bytes(record.high_water_bytes)}  stalls {record.stalls}",
-              flush=True)
-        if record.saved is not None:       # its own line: the step line keeps its format
-            saved = record.saved
-            from gradpool.app.checkpoints import background_text, removed_text
-            print(f"saved step {saved['step']} to {saved['path']} ({_bytes(saved['bytes'])}, "
-                  f"{saved['seconds']:.2f} s{background_text(saved)}){removed_text(saved)}",
-                  flush=True)
-    return show
-
-
-MAX_RANK_LINES = 16        # the summary lists this many ranks one by one, then a range
-
-
-def _print_summary(result) -> None:
-    records = result.records
-    times = [r.seconds for r in records]
-    later = times[1:]
-    after_first = sum(r.new_allocations for r in records[1:])
-    outcome = result.outcome
-    first = records[0].step + 1 if records else 1      # a resumed run starts after its step
-    which = f" (steps {first}-{records[-1].step + 1})" if first > 1 else ""
-    print(f"summary: {len(records)} steps{which}, mean step time "
-          f"{statistics.fmean(times) * 1e3:.1f} ms"
-          + (f" ({statistics.fmean(later) * 1e3:.1f} ms after step {first})" if later else "")
-          + f", copied {_bytes(sum(r.bytes_copied for r in records))} in total, "
-          f"{after_first} new allocations after step {first}, "
-          f"pool high-water {_bytes(max((r.high_water_bytes for r in records), default=0))}")
-    ranks = (result.job or {}).get("ranks", [])
-    if len(ranks) > 1:
-        nodes = result.job["nodes"]
-        print(f"ranks: {len(ranks)} on {nodes} node(s), every one ok")
-        for info in ranks[:MAX_RANK_LINES]:
-            print(f"  rank {info['rank']} (node {info['node']}): {info['steps']} steps, pool "
-                  f"high-water {_bytes(info['high_water_bytes'])}, copied "
-                  f"{_bytes(info['bytes_copied'])}, {info['new_allocations']} allocations "
-                  f"({info['reuses']} reuses), stalls {info['stalls']}, "
-                  f"{info['verified_gradients']} gradients verified")
-        if len(ranks) > MAX_RANK_LINES:
-            high = [r["high_water_bytes"] for r in ranks]
-            print(f"  ... {len(ranks) - MAX_RANK_LINES} more; pool high-water from "
-                  f"{_bytes(min(high))} to {_bytes(max(high))}")
-    blocking = [bool(r["launch_blocking"]) for r in ranks] if len(ranks) > 1 else \
-        [outcome.launch_blocking]
-    mode = "blocking" if all(blocking) else "asynchronous" if not any(blocking) else \
-        f"blocking on ranks {[i for i, b in enumerate(blocking) if b]}, asynchronous elsewhere"
-    print(f"op launch: {mode} ({len(blocking)} rank(s); launch.launch_blocking)")
-    if outcome.verify_gradients:
-        if len(ranks) > 1:
-            print(f"gradient integrity: {sum(r['verified_gradients'] for r in ranks)} gradients "
-                  f"verified unchanged after their reduce path (all {len(ranks)} ranks)")
-        else:
-            print(f"gradient integrity: {outcome.verified_gradients} gradients verified "
-                  f"unchanged after their reduce path (rank 0)")
-    else:
-        print("gradient integrity: not verified (gradpool.verify_gradients is false)")
-    _print_checkpoints(outcome, len(ranks) or 1)
-
-
-def _print_checkpoints(outcome, world: int) -> None:
-    """What the run loaded and saved (rank 0's view: sizes are every rank's together)."""
-    resumed = outcome.resumed
-    if resumed is not None:
-        print(f"resumed from {resumed['path']} at step {resumed['step']} (saved at "
-              f"{resumed['world_size']} rank(s)): {_bytes(resumed['job_bytes_read'])} read by "
-              f"{world} rank(s), {resumed['job_seconds']:.2f} s")
-    saved = outcome.saved
-    if saved:
-        plural = "s" if len(saved) > 1 else ""
-        print(f"saved {len(saved)} checkpoint{plural} (step{plural} "
-              f"{', '.join(str(s['step']) for s in saved)}): "
-              f"{_bytes(sum(s['bytes'] for s in saved))}, "
-              f"{sum(s['seconds'] for s in saved):.2f} s in all"
-              + (f" (training blocked {sum(s['blocked_seconds'] for s in saved):.2f} s: "
-                 "train.async_save)" if any(s.get("asynchronous") for s in saved) else "")
-              + f"; the last is {saved[-1]['path']}")
-
-
-def _bytes(n: float) -> str:
-    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 # -- launch-cmd --------------------------------------------------------------------------------
@@ -497,7 +440,7 @@ def _export(args) -> int:
               file=sys.stderr)
         return EXIT_USAGE
     print(f"gradpool export: wrote {args.out}: {written['tensors']} tensors, "
-          f"{_bytes(written['bytes'])}, {written['seconds']:.2f} s (step {info.step} of "
+          f"{byte_text(written['bytes'])}, {written['seconds']:.2f} s (step {info.step} of "
           f"{info.path}, saved at {info.world_size} rank(s))")
     return EXIT_OK
 

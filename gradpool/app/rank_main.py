@@ -53,7 +53,6 @@ from typing import Callable, Optional, Sequence
 
 import mindspore as ms
 
-import numpy as np
 
 from gradpool.app import checkpoints, rank_report
 from gradpool.app.train import (NonFiniteLossError, build_sharded_model, optimizer_for,
@@ -61,6 +60,7 @@ from gradpool.app.train import (NonFiniteLossError, build_sharded_model, optimiz
 from gradpool.comm import init_distributed
 from gradpool.app.config import LaunchConfig, RunConfig, load_config
 from gradpool.device import block_launches, launches_blocking
+from gradpool.exchange import exchange_values
 from gradpool.errors import (CheckpointError, GradientIntegrityError, GradPoolError,
                              InvalidArgumentError, StateMismatchError)
 from gradpool.app.errors import ConfigError
@@ -84,8 +84,6 @@ OUTCOME_FIELDS = (("ok", int), ("steps", int), ("verified_gradients", int),
                   ("copy_seconds", float), ("stall_seconds", float), ("stalls", int),
                   ("padding_bytes", int))
 LOAD_FIELDS = (("step", int), ("bytes_read", int), ("seconds", float))   # each rank's resume
-_DIGIT = 2 ** 16            # ints cross the float32 all-reduce as base-2^16 digits: exact
-_DIGITS = 4
 
 
 class ClusterFormationError(GradPoolError, RuntimeError):
@@ -368,43 +366,16 @@ def _resume(cfg: RunConfig, model, optimizer, comm) -> dict:
 
 def exchange(comm, row: Sequence, fields: Sequence) -> list:
     """Every rank's ``row`` (laid out as ``fields``, the same on every rank), on every rank, by
-    one sum all-reduce: each rank fills its own slot and zeros elsewhere. ``int`` fields travel
-    as base-2^16 digits, exact in float32 (counters in bytes pass 2^24); ``float`` ones as
+    one all-reduce: ``int`` fields exactly (counters in bytes pass 2^24), ``float`` ones as
     float32."""
-    encoded = encode_row(row, fields)
-    if comm.world_size == 1:
-        return [decode_row(encoded, fields)]
-    width = len(encoded)
-    buf = np.zeros(comm.world_size * width, np.float32)
-    buf[comm.rank * width:(comm.rank + 1) * width] = encoded
-    tensor = ms.Tensor(buf)
-    comm.all_reduce(tensor, op="sum").wait()
-    slots = tensor.asnumpy().reshape(comm.world_size, width)
-    return [decode_row(slot, fields) for slot in slots]
-
-
-def encode_row(row: Sequence, fields: Sequence) -> list:
-    encoded: list = []
-    for value, (_, kind) in zip(row, fields):
-        if kind is int:
-            value = int(value)
-            encoded += [float((value // _DIGIT ** i) % _DIGIT) for i in range(_DIGITS)]
-        else:
-            encoded.append(float(value))
-    return encoded
-
-
-def decode_row(slot: Sequence, fields: Sequence) -> list:
-    values, at = [], 0
-    for _, kind in fields:
-        if kind is int:
-            values.append(sum(int(round(float(slot[at + i]))) * _DIGIT ** i
-                              for i in range(_DIGITS)))
-            at += _DIGITS
-        else:
-            values.append(float(slot[at]))
-            at += 1
-    return values
+    is_int = [kind is int for _, kind in fields]
+    got = exchange_values(comm, ints=[int(v) for v, i in zip(row, is_int) if i],
+                          floats=[float(v) for v, i in zip(row, is_int) if not i])
+    rows = []
+    for ints, floats in zip(got.ints.tolist(), got.floats.tolist()):
+        ints, floats = iter(ints), iter(floats)
+        rows.append([next(ints) if i else next(floats) for i in is_int])
+    return rows
 
 
 def _publish_job(cfg: RunConfig, reporter, comm, outcome: RankOutcome) -> None:

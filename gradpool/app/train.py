@@ -25,6 +25,7 @@ from gradpool.app.model import TinyDeepSeekV3, make_batch_np, next_token_loss
 from gradpool.app.moe import ExpertParallel
 from gradpool.app.config import RunConfig
 from gradpool.dtypes import DTYPE_NAMES, dtype_named
+from gradpool.exchange import all_sum
 from gradpool.errors import GradPoolError
 from gradpool.pool import PoolStats
 
@@ -206,11 +207,9 @@ def _record(step: int, loss: float, seconds: float, before: PoolStats, after: Po
 
 
 def _mean_over_ranks(comm, value: float) -> float:
-    if comm.world_size == 1:
-        return value
-    buf = ms.Tensor(np.array([value], np.float32))
-    comm.all_reduce(buf, op="avg").wait()
-    return float(buf.asnumpy()[0])
+    """The mean of ``value`` over ranks: their float32 sum divided in float32, as an "avg"
+    all-reduce divides."""
+    return float(all_sum(comm, [value])[0] / np.float32(comm.world_size))
 
 
 def train_reference(cfg: RunConfig, world: int) -> tuple[list[float], dict[str, np.ndarray]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import platform
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -51,20 +51,11 @@ def compile_host_loops() -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=1)
-def _bfloat16_kernel():  # pragma: no mutate block
-    """The compiled float32-bits -> bfloat16-bits loop ``kernel(words, out, stream_from_bytes)``,
-    None without numba; compiled on first use (docs/benchmarks/host-path.md#compile-time)."""
-    try:
-        import numba
-        from llvmlite import ir
-        from numba.core import types
-        from numba.extending import intrinsic
-    except ImportError as exc:
-        logger.warning(_NO_NUMBA, exc)
-        return None
-
-    lanes = _STREAM_LANES
+def _stream_rounded_intrinsic(lanes: int):  # pragma: no mutate block
+    """The intrinsic ``stream_rounded(words, out, start)`` of :func:`_bfloat16_kernel`."""
+    from llvmlite import ir
+    from numba.core import types
+    from numba.extending import intrinsic
 
     @intrinsic
     def stream_rounded(typingctx, words, out, start):
@@ -93,7 +84,22 @@ def _bfloat16_kernel():  # pragma: no mutate block
                                builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
             return context.get_dummy_value()
         return types.void(words, out, start), codegen
+    return stream_rounded
 
+
+@functools.lru_cache(maxsize=1)
+def _bfloat16_kernel():  # pragma: no mutate block
+    """The compiled float32-bits -> bfloat16-bits loop ``kernel(words, out, stream_from_bytes)``,
+    None without numba; compiled on first use (docs/benchmarks/host-path.md#compile-time)."""
+    try:
+        import numba
+        import llvmlite  # noqa: F401 - numba's code generator, needed by the intrinsics
+    except ImportError as exc:
+        logger.warning(_NO_NUMBA, exc)
+        return None
+
+    lanes = _STREAM_LANES
+    stream_rounded = _stream_rounded_intrinsic(lanes)
     store_fence = _store_fence()
 
     @numba.njit(nogil=True, cache=False, inline="always")
@@ -185,10 +191,28 @@ def address_writer(src_dtype: str, dst_dtype: str) -> Optional[Callable[[int, in
 
 @functools.lru_cache(maxsize=1)
 def _address_writers():  # pragma: no mutate block
+    """``{(src dtype, dst dtype): write}`` of :func:`address_writer`; None without numba."""
     narrow = _bfloat16_kernel()
     if narrow is None:
         return None
-    import numba
+    ops = _address_ops()
+    copy_bytes = _compile_copy_bytes(ops)
+    writers = {(name, name): _copier(copy_bytes, width) for name, width in _WIDTH.items()}
+    writers.update(_compile_casts(ops, narrow))
+    logger.debug("compiled the host address writers")
+    return writers
+
+
+class _AddressOps(NamedTuple):
+    """The intrinsics the address writers are compiled from (numba and llvmlite present)."""
+    words_at: Callable          # address -> uint32 pointer
+    halves_at: Callable         # address -> uint16 pointer
+    move_bytes: Callable        # (dst, src, nbytes): memmove
+    stream_line: Callable       # (dst, src): 32 bytes as one non-temporal vector store
+    store_fence: Callable       # () orders the streaming stores before later accesses
+
+
+def _address_ops() -> _AddressOps:  # pragma: no mutate block
     from llvmlite import ir
     from numba.core import cgutils, types
     from numba.extending import intrinsic
@@ -223,8 +247,16 @@ def _address_writers():  # pragma: no mutate block
             return context.get_dummy_value()
         return types.void(dst, src), codegen
 
-    store_fence = _store_fence()
-    words_at, halves_at = pointer_to(types.uint32), pointer_to(types.uint16)
+    return _AddressOps(pointer_to(types.uint32), pointer_to(types.uint16), move_bytes,
+                       stream_line, _store_fence())
+
+
+def _compile_copy_bytes(ops: _AddressOps):  # pragma: no mutate block
+    """The compiled ``copy_bytes(dst, src, nbytes, stream_from_bytes)``: memmove below
+    ``stream_from_bytes`` or where the ranges overlap, else streaming stores."""
+    import numba
+    # numba compiles the closure's free variables as constants: the intrinsics, not ``ops``
+    move_bytes, stream_line, store_fence = ops.move_bytes, ops.stream_line, ops.store_fence
 
     @numba.njit(nogil=True, cache=False)
     def copy_bytes(dst, src, nbytes, stream_from_bytes):
@@ -251,11 +283,20 @@ def _address_writers():  # pragma: no mutate block
             stream_line(dst + line, src + line)
         move_bytes(dst + end, src + end, nbytes - end)
         store_fence()
+    return copy_bytes
 
-    def copier(width):
-        def copy(dst: int, src: int, numel: int) -> None:
-            copy_bytes(dst, src, numel * width, COPY_STREAM_FROM_BYTES)
-        return copy
+
+def _copier(copy_bytes, width: int) -> Callable[[int, int, int], None]:
+    def copy(dst: int, src: int, numel: int) -> None:
+        copy_bytes(dst, src, numel * width, COPY_STREAM_FROM_BYTES)
+    return copy
+
+
+def _compile_casts(ops: _AddressOps, narrow) -> dict:  # pragma: no mutate block
+    """The bfloat16 <-> float32 address writers: widening by a shift, narrowing by ``narrow``
+    (:func:`_bfloat16_kernel`)."""
+    import numba
+    words_at, halves_at = ops.words_at, ops.halves_at
 
     @numba.njit(nogil=True, cache=False)
     def widen(dst, src, numel):
@@ -272,8 +313,4 @@ def _address_writers():  # pragma: no mutate block
     def narrowing(dst: int, src: int, numel: int) -> None:
         narrow_at(dst, src, numel, STREAM_FROM_BYTES)
 
-    writers = {(name, name): copier(width) for name, width in _WIDTH.items()}
-    writers[("bfloat16", "float32")] = widen
-    writers[("float32", "bfloat16")] = narrowing
-    logger.debug("compiled the host address writers")
-    return writers
+    return {("bfloat16", "float32"): widen, ("float32", "bfloat16"): narrowing}

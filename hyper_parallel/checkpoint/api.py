@@ -114,7 +114,7 @@ def _read_with_retries(root: Path, entries, optimizer, verify: bool, comm, wante
 def _agree_to_assign(comm, error: Optional[BaseException], root: Path) -> None:
     """Raise on every rank if any rank could not read its part, before any rank changes its
     model: a file only some ranks read (their own shards) must not leave the others loaded."""
-    failed = saving.all_sum(comm, 0.0 if error is None else 1.0) if comm.world_size > 1 else 0.0
+    failed = saving.ranks_failing(comm, error)
     if error is not None:
         raise error
     if failed:

@@ -43,10 +43,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import mindspore as ms
 import numpy as np
 
-from gradpool import CheckpointError, InvalidArgumentError, check_bool, communicator_for
+from gradpool import (CheckpointError, InvalidArgumentError, all_sum_ints, check_bool,
+                      communicator_for, exchange_ints)
 from hyper_parallel.checkpoint import files
 from hyper_parallel.core.dtensor.boxes import Box, check_cover
 from hyper_parallel.core.fully_shard.state_dict import (StateEntry, model_entries,
@@ -80,36 +80,21 @@ def entries_of(model, optimizer) -> list[tuple[str, StateEntry]]:
     return entries
 
 
-def all_sum(comm, value: float) -> float:
-    """Sum of ``value`` over the world: the barrier every step of a save waits at."""
-    if comm.world_size == 1:
-        return value
-    buf = ms.Tensor(np.array([value], np.float32))
-    comm.all_reduce(buf, op="sum").wait()
-    return float(buf.asnumpy()[0])
-
-
 def _from_rank0(comm, values: list[int]) -> list[int]:
-    """Rank 0's non-negative ``values`` (each below 2**64) on every rank, exactly: each travels as
-    four 16-bit limbs in a float32 all-reduce to which only rank 0 adds (float32 holds integers
-    exactly only below 2**24, so a generation, a byte count or a 64-bit id sent whole would not
-    arrive intact)."""
-    if comm.world_size == 1:
-        return list(values)
-    limbs = np.zeros(4 * len(values), np.float32)
-    if comm.rank == 0:
-        for i, value in enumerate(values):
-            for j in range(4):
-                limbs[4 * i + j] = (value >> (16 * j)) & 0xFFFF
-    buf = ms.Tensor(limbs)
-    comm.all_reduce(buf, op="sum").wait()
-    got = buf.asnumpy()
-    return [sum(int(got[4 * i + j]) << (16 * j) for j in range(4)) for i in range(len(values))]
+    """Rank 0's non-negative ``values`` (each below 2**64: a generation, a byte count, a 64-bit
+    save id) on every rank, exactly."""
+    return [int(value) for value in exchange_ints(comm, values, unsigned=True)[0]]
+
+
+def ranks_failing(comm, error: Optional[BaseException]) -> int:
+    """How many ranks of ``comm`` had an ``error``: the barrier every step of a save (and the
+    load's agreement) waits at."""
+    return int(all_sum_ints(comm, [error is not None])[0])
 
 
 def _agree(comm, error: Optional[BaseException], what: str) -> None:
     """Every rank raises if any rank failed ``what`` (so none goes on to the next barrier)."""
-    failed = all_sum(comm, 0.0 if error is None else 1.0)
+    failed = ranks_failing(comm, error)
     if error is not None:
         raise CheckpointError(f"checkpoint save: {what} failed on rank {comm.rank}: "
                               f"{type(error).__name__}: {error}") from error
@@ -409,7 +394,8 @@ def commit_ready(written_everywhere: Optional[bool] = None) -> Optional[SaveResu
         return None
     if written_everywhere is None:
         comm = _PENDING._save.comm
-        written_everywhere = all_sum(comm, 1.0 if _PENDING.done() else 0.0) == comm.world_size
+        written = all_sum_ints(comm, [_PENDING.done()])[0]
+        written_everywhere = written == comm.world_size
     return _PENDING.wait() if written_everywhere else None
 
 

@@ -277,6 +277,45 @@ def w2_ranks_that_find_different_latest_all_refuse(ctx):
                                       str(step_dir(shared() / "latest_a", 4)))}
 
 
+@suite.case
+def w2_ranks_that_resumed_different_steps_all_fail(ctx):
+    """Ranks whose launchers resolved ``latest`` apart (another run saving meanwhile) resume
+    different steps: rank 0 step 4, rank 1 step 6. Over the real exchange every rank raises,
+    naming both steps; where both resume step 4 they go on, each knowing what the job read
+    (every rank's bytes) and how long its slowest rank took."""
+    import dataclasses
+    from gradpool.app.checkpoints import run_extra
+    from gradpool.app.rank_main import _resume
+    from hyper_parallel.checkpoint.steps import step_dir
+    cfg, model, optimizer = build(FLAT)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=8))
+    root = shared() / "resumed_apart"
+    for step in (4, 6):
+        checkpoint.save(step_dir(root, step), model, optimizer, step=step,
+                        extra=run_extra(cfg, ctx.world_size))
+
+    def resuming(step: int):
+        return dataclasses.replace(cfg, train=dataclasses.replace(
+            cfg.train, resume_from=str(step_dir(root, step))))
+    apart = raises(CheckpointError,
+                   lambda: _resume(resuming(4 + 2 * ctx.rank), model, optimizer, ctx.comm),
+                   "the ranks resumed from different steps [4, 6]",
+                   f"this one from {step_dir(root, 4 + 2 * ctx.rank)}")
+    resumed = _resume(resuming(4), model, optimizer, ctx.comm)
+    mine = shared() / f"resumed_apart_rank{ctx.rank}.json"
+    mine.write_text(json.dumps([resumed["bytes_read"], resumed["seconds"]]))
+    _barrier(ctx)
+    every = [json.loads((shared() / f"resumed_apart_rank{r}.json").read_text())
+             for r in range(ctx.world_size)]
+    return {"apart: every rank refuses": apart,
+            "together: step 4": equal(resumed["step"], 4),
+            "job bytes read: every rank's": equal(resumed["job_bytes_read"],
+                                                 sum(b for b, _ in every)),
+            "bytes read by each rank": equal(all(b > 0 for b, _ in every), True),
+            "job seconds: the slowest rank's": equal(
+                resumed["job_seconds"], max(float(np.float32(s)) for _, s in every))}
+
+
 def _barrier(ctx: Context) -> None:
     buf = ms.Tensor(np.zeros(1, np.float32))
     ctx.comm.all_reduce(buf).wait()

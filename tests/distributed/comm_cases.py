@@ -329,5 +329,83 @@ def fault_injection_over_mccl(ctx: Context) -> dict:
             "launches": equal(faulty.launches, 1)}
 
 
+
+# -- gradpool.exchange: small host values between the ranks ------------------------------------
+def _ints_of(rank: int) -> list[int]:
+    """Values a limb bug shows: signs, above 2**24 and 2**48, the int64 extremes; per rank."""
+    big = 2 ** 62
+    return [-(rank + 1), 2 ** 24 + 1 + rank, 2 ** 48 + 3 + rank, -(2 ** 48) - rank,
+            big - 7 * rank, -big + rank, 2 ** 63 - 1 - rank, -(2 ** 63) + rank, 0]
+
+
+@suite.case
+def exchange_ints_exactly(ctx: Context) -> dict:
+    from gradpool import all_sum_ints, exchange_ints
+    world = ctx.world_size
+    every = np.array([_ints_of(r) for r in range(world)], np.int64)
+    got = exchange_ints(ctx.comm, _ints_of(ctx.rank))
+    ids = [2 ** 64 - 1 - ctx.rank, 2 ** 63 + ctx.rank]
+    unsigned = exchange_ints(ctx.comm, ids, unsigned=True)
+    summed = [2 ** 50 + ctx.rank, -(2 ** 40) - 3 * ctx.rank, 2 ** 24 + 1]
+    return {"rows": equal(got.tolist(), every.tolist()),
+            "dtype": equal(str(got.dtype), "int64"),
+            "unsigned": equal([[int(v) for v in row] for row in unsigned],
+                              [[2 ** 64 - 1 - r, 2 ** 63 + r] for r in range(world)]),
+            "sum": equal(all_sum_ints(ctx.comm, summed).tolist(),
+                         [sum(2 ** 50 + r for r in range(world)),
+                          sum(-(2 ** 40) - 3 * r for r in range(world)), world * (2 ** 24 + 1)])}
+
+
+@suite.case
+def exchange_values_and_all_sum(ctx: Context) -> dict:
+    from gradpool import all_sum, exchange_values
+    world = ctx.world_size
+    floats = lambda r: [0.1 * (r + 1), -1e30 * (r + 1), 2.0 ** -20 * r]     # noqa: E731
+    got = exchange_values(ctx.comm, ints=[2 ** 40 + ctx.rank], floats=floats(ctx.rank))
+    block = rank_values(ctx.rank, 15).reshape(3, 5)
+    total = all_sum(ctx.comm, block)
+    return {"ints": equal(got.ints.tolist(), [[2 ** 40 + r] for r in range(world)]),
+            "floats": equal(got.floats.tolist(),
+                            np.array([floats(r) for r in range(world)], np.float32).tolist()),
+            "all_sum_shape": equal(list(total.shape), [3, 5]),
+            "all_sum": allclose(total, sum(rank_values(r, 15) for r in range(world))
+                                .reshape(3, 5), ms.float32)}
+
+
+@suite.case
+def rank_rows_cross_exactly(ctx: Context) -> dict:
+    """gradpool train's per-rank rows (its outcome: ints past 2**24 and floats) over the wire."""
+    from gradpool.app.rank_main import OUTCOME_FIELDS, exchange
+    rows = [[1, 5, 205 - r, r, 43, 2 ** 40 + 3 + r, 7, 2 ** 33 + 1, 2 ** 45 + 12345 * r,
+             0.25 * r, 0.5, 2, 2 ** 48 - 1 - r] for r in range(ctx.world_size)]
+    return {"rows": equal(exchange(ctx.comm, rows[ctx.rank], OUTCOME_FIELDS), rows)}
+
+
+
+@suite.case
+def state_held_by_some_ranks_is_shared(ctx: Context) -> dict:
+    """hyper_parallel's state of some ranks only (experts under EP), over the exchange: rank r
+    holds ``common`` and ``own.r`` (distinct name lists, so digests differ and the lists travel);
+    every rank learns who holds what and gets every tensor from its holder, values intact."""
+    from hyper_parallel.core.fully_shard.held_by_some import share_full_tensors, world_keys
+    world = ctx.world_size
+
+    def values(rank: int, shape) -> np.ndarray:
+        return rank_values(rank, int(np.prod(shape)), seed=7).reshape(shape)
+    shapes = {r: (3, 5 + r) for r in range(world)}
+    local = {"common": ms.Tensor(values(0, (4,)).astype(np.float32)),
+             f"own.{ctx.rank}": ms.Tensor(values(ctx.rank, shapes[ctx.rank]).astype(np.float32))}
+    keys = world_keys({name: (tuple(t.shape), "float32") for name, t in local.items()},
+                      ctx.comm)
+    full = share_full_tensors(local, ctx.comm)
+    return {"holders": equal({name: list(key.holders) for name, key in sorted(keys.items())},
+                             {"common": list(range(world)),
+                              **{f"own.{r}": [r] for r in range(world)}}),
+            "names": equal(sorted(full), sorted(["common"] + [f"own.{r}" for r in range(world)])),
+            **{f"own.{r}": allclose(full.get(f"own.{r}", np.zeros(0)), values(r, shapes[r]),
+                                    ms.float32)
+               for r in range(world)}}
+
+
 if __name__ == "__main__":
     suite.main()

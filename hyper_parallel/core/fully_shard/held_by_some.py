@@ -18,11 +18,8 @@ import ml_dtypes
 import numpy as np
 import xxhash
 
-from gradpool import StateMismatchError
+from gradpool import StateMismatchError, all_sum, exchange_ints
 
-# Sizes and bytes travel as float32 sums (the collective dtype every backend has): exact for
-# integers below 2 ** 24, so one rank's name list must stay below 16 MiB of JSON.
-_EXACT_LIMIT = 1 << 24
 # Values travel as float32 too: exact for these dtypes, which every parameter and optimizer
 # state of a fully_shard model has.
 _FLOAT_DTYPES = ("float32", "float16", "bfloat16")
@@ -40,22 +37,10 @@ def _world_comm():
     return communicator_for()
 
 
-def _all_sum(comm, values: np.ndarray) -> np.ndarray:
-    buf = ms.Tensor(values.astype(np.float32))
-    comm.all_reduce(buf, op="sum").wait()
-    return buf.asnumpy()
-
-
 def _digests(comm, payload: bytes) -> list[int]:
-    """Every rank's 64-bit digest of its ``payload``, exactly: four 16-bit limbs a rank in one
-    float32 all-reduce (each rank fills its own slots)."""
-    limbs = np.zeros(4 * comm.world_size, np.float32)
+    """Every rank's 64-bit digest of its ``payload``, exactly."""
     digest = xxhash.xxh3_64_intdigest(payload)
-    for j in range(4):
-        limbs[4 * comm.rank + j] = (digest >> (16 * j)) & 0xFFFF
-    got = _all_sum(comm, limbs)
-    return [sum(int(got[4 * r + j]) << (16 * j) for j in range(4))
-            for r in range(comm.world_size)]
+    return [int(d) for d in exchange_ints(comm, [digest], unsigned=True)[:, 0]]
 
 
 def world_keys(local: dict, comm=None) -> dict:
@@ -76,18 +61,14 @@ def world_keys(local: dict, comm=None) -> dict:
         return {name: WorldKey(tuple(shape), dtype, every)
                 for name, (shape, dtype) in local.items()}
     senders = {digest: digests.index(digest) for digest in digests}     # first rank of each list
-    if len(payload) >= _EXACT_LIMIT:
-        raise StateMismatchError(f"rank {comm.rank} holds {len(local)} tensors whose names take "
-                                 f"{len(payload)} bytes; at most {_EXACT_LIMIT - 1} can be shared")
-    sizes = np.zeros(comm.world_size, np.float32)
-    if senders[digests[comm.rank]] == comm.rank:
-        sizes[comm.rank] = len(payload)
-    sizes = [int(n) for n in _all_sum(comm, sizes)]
+    sending = senders[digests[comm.rank]] == comm.rank
+    sizes = [int(n) for n in exchange_ints(comm, [len(payload) if sending else 0])[:, 0]]
     start = sum(sizes[:comm.rank])
+    # bytes travel as float32 sums, each byte from one rank and zeros from the others: exact
     data = np.zeros(sum(sizes), np.float32)
     if sizes[comm.rank]:
         data[start:start + len(payload)] = np.frombuffer(payload, np.uint8)
-    data = _all_sum(comm, data).astype(np.uint8)
+    data = all_sum(comm, data).astype(np.uint8)
     lists, offset = {}, 0
     for rank, size in enumerate(sizes):
         if size:
@@ -125,7 +106,7 @@ def share_full_tensors(full: dict, comm=None) -> dict:
         values = np.zeros(key.shape, np.float32)
         if comm.rank == key.holders[0]:
             values = _host_float32(full[name])
-        total = _all_sum(comm, values.reshape(-1)).reshape(key.shape)
+        total = all_sum(comm, values)
         if name not in full:
             shared[name] = _as_tensor(total, key.dtype)
     return shared

@@ -147,11 +147,6 @@ class HSDPUnitState:
         self._backward_prefetch = None if units is None else [weakref.ref(u) for u in units]
 
     @property
-    def uses_awaiting_backward(self) -> int:
-        """Recorded forward uses of this unit whose backward has not run."""
-        return self.steps.uses_awaiting_backward
-
-    @property
     def module(self):
         return self.modules[0]
 
