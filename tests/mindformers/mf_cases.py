@@ -333,8 +333,8 @@ def _feature_error():
 @suite.case
 def expert_parallel_refused_by_name(ctx):
     """mindformers' ExpertParallel places expert weights with distribute_tensor over its EP
-    mesh: refused. The MoE model is only built (on meta) and parallelized, never run: its
-    grouped-GEMM path has no CPU kernels."""
+    mesh: refused while mindformers parallelizes the model (built on meta), before any training.
+    At expert parallel 1 the same MoE layers train (deepseek3_moe_seed_settings_verified)."""
     moe = dict(_setup().DEEPSEEK3_TINY, first_k_dense_replace=1)
     return _refused(ctx, moe, expert_parallel=ctx.world_size)
 
