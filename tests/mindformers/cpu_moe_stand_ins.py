@@ -170,8 +170,9 @@ class CpuGroupedMatmul:
         return [(every * member.swapaxes(0, 1).unsqueeze(-1)).sum(0)]
 
 
-def table(mint, tensor_class):
+def table():
     """``(owner, attribute, stand-in, target, missing kernel)`` rows for :mod:`cpu_stand_ins`."""
+    from mindspore import mint
     from mindspore.ops import auto_generate
     return [
         (mint, "topk", _topk, "mint.topk", "TopkExt"),
@@ -179,7 +180,7 @@ def table(mint, tensor_class):
         (mint, "argsort", _argsort, "mint.argsort", "ArgSort"),
         (mint, "cumsum", _cumsum, "mint.cumsum", "CumsumExt"),
         (mint, "floor_divide", _floor_divide, "mint.floor_divide", "FloorDivScalar"),
-        (tensor_class, "scatter_", _scatter_, "Tensor.scatter_", "InplaceScatterValue"),
+        (ms.Tensor, "scatter_", _scatter_, "Tensor.scatter_", "InplaceScatterValue"),
         (ops, "moe_token_permute", _moe_token_permute, "ops.moe_token_permute",
          "MoeTokenPermute"),
         (ops, "moe_token_unpermute", _moe_token_unpermute, "ops.moe_token_unpermute",

@@ -257,7 +257,7 @@ def install() -> None:
     nn_ops.FlashAttentionScore = CpuFlashAttentionScore
     STAND_INS.append(StandIn("FlashAttentionScore", "FlashAttentionScore (Ascend-only)",
                              CpuFlashAttentionScore.__doc__))
-    for owner, attr, fn, target, kernel in _TABLE + cpu_moe_stand_ins.table(mint, ms.Tensor):
+    for owner, attr, fn, target, kernel in _TABLE + cpu_moe_stand_ins.table():
         _INSTALLED.append((owner, attr, getattr(owner, attr, None)))
         setattr(owner, attr, fn)
         STAND_INS.append(StandIn(target, kernel, fn.__doc__ or fn.__name__))

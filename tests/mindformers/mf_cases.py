@@ -185,8 +185,9 @@ def _moe_layer_and_seed_settings(model, shard: int) -> dict:
     layer = model.model.decoder.layers[1].mlp
     experts = flow.DEEPSEEK3_MOE_TINY["n_routed_experts"]
     checks = _seed_settings(model)
-    checks["moe_layer"] = equal([type(layer).__name__, type(layer.experts).__name__,
-                                 layer.shared_experts is not None], ["MoELayer", "GroupedMLP", True])
+    checks["moe_layer"] = equal(
+        [type(layer).__name__, type(layer.experts).__name__, layer.shared_experts is not None],
+        ["MoELayer", "GroupedMLP", True])
     for name in ("experts.weight1", "experts.weight2", "router.weight"):
         param = named[_MOE + name]
         checks[f"sharded.{name}"] = equal(

@@ -82,8 +82,9 @@ DEEPSEEK3_TINY = dict(
 # 8 routed experts in 4 groups, each token routed to its top 2 experts within its top 2 groups:
 # the choice depends on the scores (with 4 experts in 2 groups and 1 group chosen, a token's 2
 # experts would always be a whole group). 8 experts shard evenly at 2 ranks, so mindformers'
-# apply_fsdp shards the expert weights (dim 0 = experts) instead of replicating them; with 32
-# routed entries per micro-batch some experts get no token in some micro-batches.
+# apply_fsdp shards the expert weights (dim 0 = experts) instead of replicating them. A micro-batch
+# routes 32 entries, unevenly (1 to 11 per expert seen); experts without a token are covered by
+# test_cpu_stand_ins.py and test_mindformers_moe_experts.py.
 DEEPSEEK3_MOE_TINY = dict(DEEPSEEK3_TINY, first_k_dense_replace=1, n_routed_experts=8, n_group=4,
                           topk_group=2, num_experts_per_tok=2, n_shared_experts=1)
 
