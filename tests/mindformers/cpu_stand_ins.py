@@ -14,6 +14,9 @@ softmax of ``q k^T * scale``, then ``@ v``) from CPU ops for the layouts the tin
 What is *not* stood in for: mindformers' non-flash ``_repeat_kv`` (it assumes a BNSD layout where
 it gets SBND); the tiny models set ``num_key_value_heads == num_attention_heads`` so it never
 repeats.
+
+The MoE layer's ops (router top-k, histc, argsort, the grouped matmul, token permutation) are in
+:mod:`cpu_moe_stand_ins`; :func:`install` applies them too.
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ from typing import Callable
 
 import mindspore as ms
 from mindspore import mint, ops
+
+import cpu_moe_stand_ins
 
 
 @dataclass(frozen=True)
@@ -252,7 +257,7 @@ def install() -> None:
     nn_ops.FlashAttentionScore = CpuFlashAttentionScore
     STAND_INS.append(StandIn("FlashAttentionScore", "FlashAttentionScore (Ascend-only)",
                              CpuFlashAttentionScore.__doc__))
-    for owner, attr, fn, target, kernel in _TABLE:
+    for owner, attr, fn, target, kernel in _TABLE + cpu_moe_stand_ins.table():
         _INSTALLED.append((owner, attr, getattr(owner, attr, None)))
         setattr(owner, attr, fn)
         STAND_INS.append(StandIn(target, kernel, fn.__doc__ or fn.__name__))

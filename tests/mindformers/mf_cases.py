@@ -158,15 +158,50 @@ def _seed_settings(model) -> dict:
     }
 
 
-@suite.case
-def deepseek3_mla_seed_settings_verified(ctx):
+def _run_verified(ctx, model_cfg: dict, check) -> dict:
     from gradpool import GradPoolConfig, set_default_pool_config
     # mindformers' apply_fsdp calls fully_shard without pool_config: the default carries it.
     previous = set_default_pool_config(GradPoolConfig(verify_gradients=True))
     try:
-        return _run(ctx, _setup().DEEPSEEK3_TINY, "value_and_grad", check=_seed_settings)
+        return _run(ctx, model_cfg, "value_and_grad", check=check)
     finally:
         set_default_pool_config(previous)
+
+
+@suite.case
+def deepseek3_mla_seed_settings_verified(ctx):
+    return _run_verified(ctx, _setup().DEEPSEEK3_TINY, _seed_settings)
+
+
+_MOE = "model.decoder.layers.1.mlp."
+
+
+def _moe_layer_and_seed_settings(model, shard: int) -> dict:
+    """The seed's settings (above) on the MoE model, and that mindformers built the second
+    layer as its MoELayer and its apply_fsdp at expert parallel 1 sharded the routed experts'
+    weights along the expert dim (each rank holds ``experts / shard`` of them)."""
+    flow = _setup()
+    named = flow.names_to_params(model)
+    layer = model.model.decoder.layers[1].mlp
+    experts = flow.DEEPSEEK3_MOE_TINY["n_routed_experts"]
+    checks = _seed_settings(model)
+    checks["moe_layer"] = equal(
+        [type(layer).__name__, type(layer.experts).__name__, layer.shared_experts is not None],
+        ["MoELayer", "GroupedMLP", True])
+    for name in ("experts.weight1", "experts.weight2", "router.weight"):
+        param = named[_MOE + name]
+        checks[f"sharded.{name}"] = equal(
+            [flow.managed(param).replicate, int(param.shape[0])], [False, experts // shard])
+    return checks
+
+
+@suite.case
+def deepseek3_moe_seed_settings_verified(ctx):
+    """mindformers' DeepSeek-V3 MoE layer (router, grouped-GEMM experts, shared expert) on
+    CPU through the stand-ins, trained with the seed's settings at expert parallel 1."""
+    shard = _expected_mesh(ctx.world_size, -1)[1]
+    return _run_verified(ctx, _setup().DEEPSEEK3_MOE_TINY,
+                         lambda model: _moe_layer_and_seed_settings(model, shard))
 
 
 # -- mindformers' Trainer step ---------------------------------------------------------------------
@@ -299,8 +334,8 @@ def _feature_error():
 @suite.case
 def expert_parallel_refused_by_name(ctx):
     """mindformers' ExpertParallel places expert weights with distribute_tensor over its EP
-    mesh: refused. The MoE model is only built (on meta) and parallelized, never run: its
-    grouped-GEMM path has no CPU kernels."""
+    mesh: refused while mindformers parallelizes the model (built on meta), before any training.
+    At expert parallel 1 the same MoE layers train (deepseek3_moe_seed_settings_verified)."""
     moe = dict(_setup().DEEPSEEK3_TINY, first_k_dense_replace=1)
     return _refused(ctx, moe, expert_parallel=ctx.world_size)
 

@@ -61,8 +61,7 @@ QWEN3_TINY = dict(
 
 # A tiny DeepSeek-V3 shape (mindformers' PyNativeDeepseekV3ForCausalLM: GPT with multi-latent
 # attention, q and kv LoRA ranks, RoPE head dims), every layer dense (first_k_dense_replace ==
-# num_hidden_layers): mindformers' PyNative MoE takes only moe_grouped_gemm=True, whose
-# GroupedMatmul, TopkExt, histc, argsort and moe_token_permute have no CPU kernel.
+# num_hidden_layers); DEEPSEEK3_MOE_TINY below makes its second layer MoE.
 DEEPSEEK3_TINY = dict(
     model_type="deepseek_v3", architectures="DeepseekV3ForCausalLM", vocab_size=VOCAB,
     seq_length=SEQ, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -76,6 +75,18 @@ DEEPSEEK3_TINY = dict(
     gated_linear_unit=True, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
     n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=2,
     moe_grouped_gemm=True, pad_token_id=-1)
+
+# The same with its second layer a DeepSeek-V3 MoE layer (mindformers' MoELayer: TopKRouter with
+# sigmoid scores, expert bias and group-limited routing, GroupedMLP experts through
+# GroupedMatmul, one shared expert), run on CPU through the stand-ins of cpu_moe_stand_ins.
+# 8 routed experts in 4 groups, each token routed to its top 2 experts within its top 2 groups:
+# the choice depends on the scores (with 4 experts in 2 groups and 1 group chosen, a token's 2
+# experts would always be a whole group). 8 experts shard evenly at 2 ranks, so mindformers'
+# apply_fsdp shards the expert weights (dim 0 = experts) instead of replicating them. A micro-batch
+# routes 32 entries, unevenly (1 to 11 per expert seen); experts without a token are covered by
+# test_cpu_stand_ins.py and test_mindformers_moe_experts.py.
+DEEPSEEK3_MOE_TINY = dict(DEEPSEEK3_TINY, first_k_dense_replace=1, n_routed_experts=8, n_group=4,
+                          topk_group=2, num_experts_per_tok=2, n_shared_experts=1)
 
 
 def train_config(model: dict, *, data_parallel_shard: int = -1, accumulation: int = 1,
@@ -177,7 +188,10 @@ def names_to_params(model) -> dict:
 
 
 def full_state(model) -> dict[str, np.ndarray]:
-    return {name: full_value(p) for name, p in names_to_params(model).items()}
+    """``{path: full value}`` of every parameter, the trainable ones and the buffers mindformers
+    keeps as ``requires_grad=False`` parameters (the MoE layer's ``expert_bias`` and
+    ``tokens_per_expert``)."""
+    return {canonical(name): full_value(p) for name, p in model.parameters_and_names()}
 
 
 def load_full_state(model, state: dict[str, np.ndarray]) -> None:
