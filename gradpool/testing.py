@@ -216,3 +216,55 @@ class LatencyCommunicator(_Wrapper):
         if not async_op:
             handle.wait()
         return handle
+
+
+class CollectiveLog:
+    """What every communicator put behind :meth:`wrap` launched, in launch order: one
+    :class:`RecordingCommunicator` per group, one log for all (``gradpool.install_runtime(config,
+    wrap=log.wrap)`` records every collective of ``fully_shard`` and its groups)::
+
+        log = CollectiveLog()
+        install_runtime(config, wrap=log.wrap)
+        mark = log.mark()
+        ...                                    # one step
+        log.counts(since=mark)                 # {("all-gather", "world"): 4, ...}
+    """
+
+    def __init__(self):
+        self.records: list = []        # (collective, group, group size, elements)
+
+    def wrap(self, comm: Communicator, group: str) -> "RecordingCommunicator":
+        return RecordingCommunicator(comm, group, self)
+
+    def mark(self) -> int:
+        return len(self.records)
+
+    def counts(self, since: int = 0) -> dict:
+        """``{(collective, group): launches}`` of the records after ``since``."""
+        return dict(collections.Counter((kind, group) for kind, group, _, _ in
+                                        self.records[since:]))
+
+
+class RecordingCommunicator(_Wrapper):
+    """Runs each collective on ``inner`` as called, after writing one record of it to ``log``:
+    ``("all-gather" | "reduce-scatter" | "all-reduce", group, group size, input elements)``."""
+
+    def __init__(self, inner: Communicator, group: str, log: CollectiveLog):
+        self.inner = inner
+        self.group = group
+        self.log = log
+
+    def _record(self, kind: str, tensor) -> None:
+        self.log.records.append((kind, self.group, self.inner.world_size, int(tensor.numel())))
+
+    def _reduce_scatter(self, output, input, op, async_op) -> CommHandle:
+        self._record("reduce-scatter", input)
+        return self.inner.reduce_scatter(output, input, op, async_op)
+
+    def _all_gather(self, output, input, async_op) -> CommHandle:
+        self._record("all-gather", input)
+        return self.inner.all_gather(output, input, async_op)
+
+    def _all_reduce(self, tensor, op, async_op) -> CommHandle:
+        self._record("all-reduce", tensor)
+        return self.inner.all_reduce(tensor, op, async_op)
