@@ -191,31 +191,82 @@ class LatencyCommunicator(_Wrapper):
     """A network in front of a communicator: a collective completes ``latency_seconds`` after it
     starts, at launch or when the previous one completed, whichever is later (one link, like a
     communication stream). Waiting is a sleep, so compute overlaps it. The wrapped collective
-    runs at launch; synchronous calls pay the latency before they return."""
+    runs at launch; synchronous calls pay the latency before they return.
 
-    def __init__(self, inner: Communicator, latency_seconds: float):
+    With ``network`` (a :class:`LatencyNetwork`), the latency, the collectives that carry it and
+    the link (one per group) are the network's; see there."""
+
+    def __init__(self, inner: Communicator, latency_seconds: float = 0.0,
+                 network: Optional["LatencyNetwork"] = None, link: str = "world"):
         _check_seconds("latency_seconds", latency_seconds)
         self.inner = inner
         self.latency_seconds = float(latency_seconds)
+        self.network = network
+        self.link = link
         self.launches = 0
         self._link_free_at = 0.0
 
     def _reduce_scatter(self, output, input, op, async_op) -> CommHandle:
-        return self._send(self.inner.reduce_scatter(output, input, op, async_op), async_op)
+        return self._send("reduce-scatter", self.inner.reduce_scatter(output, input, op, async_op),
+                          async_op)
 
     def _all_gather(self, output, input, async_op) -> CommHandle:
-        return self._send(self.inner.all_gather(output, input, async_op), async_op)
+        return self._send("all-gather", self.inner.all_gather(output, input, async_op), async_op)
 
     def _all_reduce(self, tensor, op, async_op) -> CommHandle:
-        return self._send(self.inner.all_reduce(tensor, op, async_op), async_op)
+        return self._send("all-reduce", self.inner.all_reduce(tensor, op, async_op), async_op)
 
-    def _send(self, inner: CommHandle, async_op: bool) -> CommHandle:
+    def _send(self, kind: str, inner: CommHandle, async_op: bool) -> CommHandle:
         self.launches += 1
-        self._link_free_at = max(time.monotonic(), self._link_free_at) + self.latency_seconds
-        handle = _DelayedHandle(inner, self._link_free_at, None)   # the data is already written
+        if self.network is not None:
+            ready = self.network.ready_at(kind, self.link, async_op)
+        else:
+            ready = self._link_free_at = max(time.monotonic(), self._link_free_at) \
+                + self.latency_seconds
+        handle = _DelayedHandle(inner, ready, None)   # the data is already written
         if not async_op:
             handle.wait()
         return handle
+
+
+class LatencyNetwork:
+    """The network of one process's communicators (the overlap benchmark at any world size):
+    ``install_runtime(config, wrap=network.wrap)`` puts every group's communicator behind it.
+
+    * The collectives of kinds ``delayed`` (e.g. ``("reduce-scatter",)``) complete
+      ``latency_seconds`` after they start, one at a time per group (a link per group, like a
+      communication stream each); ``injected_seconds`` sums what they were given.
+    * Any other collective takes no time of its own and queues on no link.
+    * A synchronous collective (``async_op=False``, whose result the host reads at once) also
+      waits until every link is idle: on a device the host's read blocks until the device has
+      drained everything queued before it.
+
+    ``latency_seconds`` may change between steps (0: a network that costs nothing)."""
+
+    def __init__(self, latency_seconds: float = 0.0, delayed=("reduce-scatter",)):
+        _check_seconds("latency_seconds", latency_seconds)
+        unknown = set(delayed) - {"reduce-scatter", "all-gather", "all-reduce"}
+        if unknown:
+            raise InvalidArgumentError(f"delayed names unknown collectives {sorted(unknown)}; "
+                                       "use reduce-scatter, all-gather, all-reduce")
+        self.latency_seconds = float(latency_seconds)
+        self.delayed = frozenset(delayed)
+        self.injected_seconds = 0.0
+        self._links: dict = {}
+
+    def wrap(self, comm: Communicator, group: str) -> LatencyCommunicator:
+        return LatencyCommunicator(comm, network=self, link=group)
+
+    def ready_at(self, kind: str, link: str, async_op: bool) -> float:
+        """When a collective of ``kind`` on ``link`` launched now completes (and books it)."""
+        ready = now = time.monotonic()
+        if kind in self.delayed and self.latency_seconds > 0:
+            ready = self._links[link] = max(now, self._links.get(link, 0.0)) \
+                + self.latency_seconds
+            self.injected_seconds += self.latency_seconds
+        if not async_op:
+            ready = max([ready, *self._links.values()])
+        return ready
 
 
 class CollectiveLog:
