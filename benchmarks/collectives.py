@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
+import time
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,11 +174,47 @@ def configs(world: int, order_check: bool = False):
                        f"gradpool.check_unit_order={str(order_check).lower()}"]))
 
 
+def time_fusion(steps: int, layers: int = 3) -> dict:
+    """Step seconds of the default tiny configuration (``layers`` decoder layers, main_grad mode,
+    the order check on) with ``comm_fusion`` true and false: two models in this process, stepped
+    in turn on the same batches, after one warm-up step each."""
+
+    import mindspore as ms
+    from gradpool.app.config import load_config
+    from gradpool.app.model import next_token_loss
+    from gradpool.app.train import _batch, build_sharded_model, optimizer_for, optimizer_grads
+    from gradpool.comm import init_distributed
+    rank, world = init_distributed()
+    models = {}
+    for fusion in ("true", "false"):
+        cfg = load_config(CONFIG, [f"model.num_layers={layers}", f"launch.ranks={world}",
+                                   f"fully_shard.comm_fusion={fusion}"])
+        model = build_sharded_model(cfg)
+        params = model.trainable_params()
+        grad_fn = ms.value_and_grad(lambda t, m=model: next_token_loss(m, t), None, params)
+        models[fusion] = (cfg, model, params, grad_fn, optimizer_for(cfg, params), [])
+    for step in range(1 + steps):
+        for cfg, model, params, grad_fn, optimizer, seconds in models.values():
+            start = time.perf_counter()
+            model.zero_grad()
+            _, grads = grad_fn(_batch(cfg, step, 0, rank, world))
+            optimizer(optimizer_grads(cfg, params, grads))
+            if step:
+                seconds.append(time.perf_counter() - start)
+    return {f"comm_fusion={k}": statistics.median(v[-1]) for k, v in models.items()}
+
+
 def _rank_main(out_dir: Path, world: int, order_check: bool) -> None:
     import mindspore as ms
     from gradpool.comm import init_distributed
     ms.set_device("CPU")
     rank, _ = init_distributed()
+    if os.environ.get("GRADPOOL_TIME_FUSION"):
+        from gradpool.device import block_launches
+        block_launches()            # as gradpool train runs CPU ranks
+        (out_dir / f"fusion_{rank}.json").write_text(json.dumps(
+            time_fusion(int(os.environ["GRADPOOL_TIME_FUSION"]))))
+        return
     results = []
     for name, cfg in configs(world, order_check):
         counts = count_steps(cfg)
@@ -191,11 +230,17 @@ def main(argv=None) -> int:
     parser.add_argument("--order-check", action="store_true",
                         help="gradpool.check_unit_order on (its world all-gathers show)")
     parser.add_argument("--rank-side", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--time-fusion", type=int, default=0, metavar="STEPS",
+                        help="instead: time STEPS steps with comm_fusion true and false, in turn "
+                             "(3 decoder layers, the default configuration), in --runs launches")
+    parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args(argv)
     if args.rank_side is not None:
         _rank_main(args.rank_side, args.ranks, args.order_check)
         return 0
     from gradpool.app.launch import run_ranks
+    if args.time_fusion:
+        return _time_fusion_runs(args.ranks, args.time_fusion, args.runs)
     out = Path(tempfile.mkdtemp(prefix="gradpool-collectives-"))
     run_ranks(Path(__file__), args=["--rank-side", str(out), "--ranks", str(args.ranks)]
               + (["--order-check"] if args.order_check else []), nproc=args.ranks,
@@ -208,6 +253,26 @@ def main(argv=None) -> int:
                 print(line)
                 agree &= line.endswith("ok")
     return 0 if agree else 1
+
+
+def _time_fusion_runs(ranks: int, steps: int, runs: int) -> int:
+    from gradpool.app.launch import run_ranks
+    ratios = []
+    for index in range(runs):
+        out = Path(tempfile.mkdtemp(prefix="gradpool-fusion-"))
+        run_ranks(Path(__file__), args=["--rank-side", str(out), "--ranks", str(ranks)],
+                  nproc=ranks, log_dir=out / "logs", timeout=3600,
+                  env={"GRADPOOL_TIME_FUSION": str(steps)})
+        medians = json.loads((out / "fusion_0.json").read_text())
+        fused, unfused = medians["comm_fusion=true"], medians["comm_fusion=false"]
+        ratios.append(unfused / fused)
+        print(f"comm_fusion run {index + 1}: {ranks} ranks, 3 layers, median of {steps} steps in "
+              f"turn: fused {fused * 1e3:.1f} ms, unfused {unfused * 1e3:.1f} ms "
+              f"(unfused / fused {unfused / fused:.2f}x)", flush=True)
+    ratios.sort()
+    print(f"comm_fusion over {runs} runs: unfused / fused min / median / max "
+          f"{ratios[0]:.2f}x / {statistics.median(ratios):.2f}x / {ratios[-1]:.2f}x")
+    return 0
 
 
 if __name__ == "__main__":
