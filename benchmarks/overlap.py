@@ -19,7 +19,10 @@ models train side by side in one process, stepped in turn, on the same batches:
   step is taken twice in a row, once with the latency and once with no network (L = 0), their
   order alternating; the **exposed latency** is the median over the step pairs of
   (step with L) - (step with no network), and the latency **hidden** is
-  1 - exposed / (L x the delayed collectives of the step);
+  1 - exposed / (L x the delayed collectives of the step). The same figure is also taken from
+  the time the host slept waiting on the modelled network in the steps with latency (the
+  network takes no CPU, so that is what the latency added; it needs no subtraction of two
+  noisy step times, so it holds on a loaded machine where the step-time difference does not);
 * ``sync`` (``async_reduce=False``): every unit waits for its reduce in its backward; one step
   a round with no network, beside the asynchronous steps with no network: the synchronous
   path's own cost.
@@ -93,6 +96,7 @@ class VariantResult:
     with_latency: list = field(default_factory=list)      # seconds per timed step
     no_network: list = field(default_factory=list)
     injected: list = field(default_factory=list)          # seconds of latency given per step
+    blocked: list = field(default_factory=list)   # seconds the host waited for the network
 
     @property
     def exposed_seconds(self) -> float:
@@ -105,6 +109,12 @@ class VariantResult:
     @property
     def hidden_fraction(self) -> float:
         return 1 - self.exposed_seconds / self.injected_seconds
+
+    @property
+    def blocked_hidden_fraction(self) -> float:
+        """The same from the time the host waited on the network in the steps with latency
+        (no subtraction of two noisy step times: the network takes no CPU)."""
+        return 1 - statistics.median(self.blocked) / self.injected_seconds
 
 
 @dataclass
@@ -166,13 +176,14 @@ class _Trainer:
         tokens = ms.Tensor(make_batch_np(self.cfg.model, index, comm.rank, comm.world_size,
                                          seed=self.cfg.train.seed))
         self.network.latency_seconds = latency
-        injected = self.network.injected_seconds
+        injected, blocked = self.network.injected_seconds, self.network.blocked_seconds
         start = time.perf_counter()
         self.model.zero_grad()
         _, grads = self.grad_fn(tokens)
         self.optimizer(optimizer_grads(self.cfg, self.params, grads))
         seconds = time.perf_counter() - start
-        return seconds, self.network.injected_seconds - injected
+        return (seconds, self.network.injected_seconds - injected,
+                self.network.blocked_seconds - blocked)
 
     def params_bytes(self) -> list:
         return [p.asnumpy().tobytes() for p in self.params]
@@ -207,15 +218,17 @@ def _layer_backward_seconds(options: OverlapOptions, world: int) -> float:
     return seconds
 
 
-def _largest_over_ranks(comm, value: float) -> float:
-    """``value``'s largest over the ranks (every rank takes the same latency)."""
-    if comm.world_size == 1:
-        return value
-    import mindspore as ms
-    import numpy as np
-    out = ms.Tensor(np.zeros(comm.world_size, np.float32))
-    comm.all_gather(out, ms.Tensor(np.array([value], np.float32))).wait()
-    return float(out.asnumpy().max())
+def _largest_over_ranks(comm, values):
+    """Each of ``values`` (a float or a list of them), its largest over the ranks."""
+    many = isinstance(values, list)
+    flat = list(values) if many else [values]
+    if comm.world_size > 1:
+        import mindspore as ms
+        import numpy as np
+        out = ms.Tensor(np.zeros(comm.world_size * len(flat), np.float32))
+        comm.all_gather(out, ms.Tensor(np.array(flat, np.float32))).wait()
+        flat = out.asnumpy().reshape(comm.world_size, len(flat)).max(axis=0).tolist()
+    return [float(v) for v in flat] if many else float(flat[0])
 
 
 def run(options: OverlapOptions = OverlapOptions()) -> OverlapResult:
@@ -249,13 +262,17 @@ def run(options: OverlapOptions = OverlapOptions()) -> OverlapResult:
                     timed.append((given,) + trainer.step(2 * round_ + k, given))
                 if not round_:
                     continue                                # the warm-up pair
-                for given, seconds, injected in timed:
+                for given, seconds, injected, blocked in timed:
                     if given > 0:
                         result.with_latency.append(seconds)
                         result.injected.append(injected)
+                        result.blocked.append(blocked)
                         delayed_per_step = round(injected / latency)
                     else:
                         result.no_network.append(seconds)
+        for name in TIMED_WITH_LATENCY:       # a rank's wait holds the others up in turn
+            results[name].blocked = _largest_over_ranks(trainers[name].runtime.comm.inner,
+                                                        results[name].blocked)
         if trainers[ORDER_ON].params_bytes() != trainers[ORDER_OFF].params_bytes():
             raise OverlapBenchmarkError("the models with the order check on and off trained "
                                         "other parameters")
@@ -297,7 +314,9 @@ def report_lines(result: OverlapResult, label: str = "overlap") -> list:
                 f"  {v.name:<{width}}  step {statistics.median(v.with_latency) * 1e3:7.1f} ms "
                 f"with latency, {statistics.median(v.no_network) * 1e3:7.1f} ms with no network;"
                 f" exposed {v.exposed_seconds * 1e3:6.1f} of {v.injected_seconds * 1e3:6.1f} ms "
-                f"injected: hidden {_hidden_text(v.hidden_fraction, ideal)}")
+                f"injected: hidden {_hidden_text(v.hidden_fraction, ideal)}; host waited on the "
+                f"network {statistics.median(v.blocked) * 1e3:6.1f} ms a step: hidden "
+                f"{_hidden_text(v.blocked_hidden_fraction, ideal)}")
     sync, asyn = result.variant(SYNC), result.variant(ORDER_ON)
     sync_ms = statistics.median(sync.no_network) * 1e3
     async_ms = statistics.median(asyn.no_network) * 1e3
@@ -309,7 +328,8 @@ def report_lines(result: OverlapResult, label: str = "overlap") -> list:
     on, off = result.variant(ORDER_ON), result.variant(ORDER_OFF)
     lines.append(f"{label}: latency hidden {_hidden_text(on.hidden_fraction, ideal)} with the "
                  f"order check on (the default), {_hidden_text(off.hidden_fraction, ideal)} "
-                 f"with it off; ideal {_pct(ideal)}")
+                 f"with it off (host waits: {_hidden_text(on.blocked_hidden_fraction, ideal)}, "
+                 f"{_hidden_text(off.blocked_hidden_fraction, ideal)}); ideal {_pct(ideal)}")
     return lines
 
 
@@ -318,12 +338,14 @@ def summary_lines(results: list) -> list:
     ideal = results[0].ideal_fraction
     lines = [f"overlap over {len(results)} runs: {describe(results[0].options, results[0].world)}"]
     for name in TIMED_WITH_LATENCY:
-        figures = sorted(r.variant(name).hidden_fraction for r in results)
-        spread = (figures[-1] - figures[0]) * 100
-        shown = " / ".join(_hidden_text(f, ideal) for f in
-                           (figures[0], statistics.median(figures), figures[-1]))
-        lines.append(f"  {name}: latency hidden min / median / max {shown}; spread "
-                     f"{spread:.0f} points; ideal {_pct(ideal)}")
+        for how, figure in (("step time with - without latency", "hidden_fraction"),
+                            ("host waits on the network", "blocked_hidden_fraction")):
+            figures = sorted(getattr(r.variant(name), figure) for r in results)
+            spread = (figures[-1] - figures[0]) * 100
+            shown = " / ".join(_hidden_text(f, ideal) for f in
+                               (figures[0], statistics.median(figures), figures[-1]))
+            lines.append(f"  {name}, {how}: latency hidden min / median / max {shown}; "
+                         f"spread {spread:.0f} points; ideal {_pct(ideal)}")
     ratios = sorted(statistics.median(r.variant(SYNC).no_network)
                     / statistics.median(r.variant(ORDER_ON).no_network) for r in results)
     lines.append(f"  synchronous path, no network, against the asynchronous: "

@@ -31,15 +31,19 @@ READ_INPUT_AT = ("launch", "wait")
 class _DelayedHandle(CommHandle):
     """Completes ``delay`` seconds after launch (the data is already written), then maybe fails."""
 
-    def __init__(self, inner: CommHandle, ready_at: float, error: Optional[BaseException]):
+    def __init__(self, inner: CommHandle, ready_at: float, error: Optional[BaseException],
+                 network: Optional["LatencyNetwork"] = None):
         self._inner = inner
         self._ready_at = ready_at
         self._error = error
         self._waited = False
+        self._network = network
 
     def wait(self) -> None:
         remaining = self._ready_at - time.monotonic()
         if remaining > 0:
+            if self._network is not None:
+                self._network.blocked_seconds += remaining
             time.sleep(remaining)
         try:
             self._inner.wait()
@@ -223,7 +227,7 @@ class LatencyCommunicator(_Wrapper):
         else:
             ready = self._link_free_at = max(time.monotonic(), self._link_free_at) \
                 + self.latency_seconds
-        handle = _DelayedHandle(inner, ready, None)   # the data is already written
+        handle = _DelayedHandle(inner, ready, None, self.network)   # the data is written
         if not async_op:
             handle.wait()
         return handle
@@ -241,7 +245,9 @@ class LatencyNetwork:
       waits until every link is idle: on a device the host's read blocks until the device has
       drained everything queued before it.
 
-    ``latency_seconds`` may change between steps (0: a network that costs nothing)."""
+    ``latency_seconds`` may change between steps (0: a network that costs nothing).
+    ``blocked_seconds`` sums the time the host slept in ``wait()`` for this network: as the
+    network takes no CPU, what its latency added to the wall-clock time."""
 
     def __init__(self, latency_seconds: float = 0.0, delayed=("reduce-scatter",)):
         _check_seconds("latency_seconds", latency_seconds)
@@ -252,6 +258,7 @@ class LatencyNetwork:
         self.latency_seconds = float(latency_seconds)
         self.delayed = frozenset(delayed)
         self.injected_seconds = 0.0
+        self.blocked_seconds = 0.0
         self._links: dict = {}
 
     def wrap(self, comm: Communicator, group: str) -> LatencyCommunicator:

@@ -68,6 +68,8 @@ def test_overlap_benchmark_reports_exposed_latency_of_the_asynchronous_step():
         assert v.injected == [pytest.approx(3 * 0.005)]
         assert v.hidden_fraction == pytest.approx(
             1 - (v.with_latency[0] - v.no_network[0]) / 0.015)
+        # the host waited at least for the root's reduce, which has nothing to hide behind
+        assert 0.005 * 0.9 <= v.blocked[0] <= v.with_latency[0]
     assert result.latency_seconds == 0.005 and result.layer_backward_seconds > 0
     # 2 layers + the root: 3 reduces, of which only the last layer's can be hidden
     assert result.ideal_fraction == pytest.approx(1 / 3)
@@ -79,14 +81,18 @@ def test_overlap_benchmark_reports_exposed_latency_of_the_asynchronous_step():
 
 def test_a_figure_above_the_ideal_is_reported_as_noise():
     opts = overlap.OverlapOptions(layers=8)
-    fine = overlap.VariantResult(overlap.ORDER_ON, [1.30, 1.32], [1.00, 1.00], [0.9, 0.9])
-    noisy = overlap.VariantResult(overlap.ORDER_OFF, [0.95, 1.0], [1.00, 1.00], [0.9, 0.9])
+    fine = overlap.VariantResult(overlap.ORDER_ON, [1.30, 1.32], [1.00, 1.00], [0.9, 0.9],
+                                 [0.3, 0.31])
+    noisy = overlap.VariantResult(overlap.ORDER_OFF, [0.95, 1.0], [1.00, 1.00], [0.9, 0.9],
+                                  [0.25, 0.25])
     sync = overlap.VariantResult(overlap.SYNC, [], [1.0, 1.0], [])
     result = overlap.OverlapResult(opts, 2, 0.1, 0.1, 9, [fine, noisy, sync])
     assert fine.hidden_fraction == pytest.approx(1 - 0.31 / 0.9)
     assert noisy.hidden_fraction > result.ideal_fraction
     lines = overlap.report_lines(result)
     assert lines[-1] == ("overlap: latency hidden 66% with the order check on (the default), "
-                         "above the ideal 78% (noise, not a result) with it off; ideal 78%")
+                         "above the ideal 78% (noise, not a result) with it off (host waits: "
+                         "66%, 72%); ideal 78%")
     summary = overlap.summary_lines([result, result, result])
-    assert "noise, not a result" in summary[2] and "spread 0 points" in summary[1]
+    assert "noise, not a result" in summary[3] and "spread 0 points" in summary[1]
+    assert fine.blocked_hidden_fraction == pytest.approx(1 - 0.305 / 0.9)
