@@ -289,7 +289,7 @@ def _pct(fraction: float) -> str:
 def _hidden_text(fraction: float, ideal: float) -> str:
     """The figure, unless it is above what overlap can hide: then it is noise, said so."""
     if fraction > ideal:
-        return f"above the ideal {_pct(ideal)} (noise, not a result)"
+        return f"{_pct(fraction)}, above the ideal {_pct(ideal)} (noise, not a result)"
     return _pct(fraction)
 
 

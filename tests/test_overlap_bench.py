@@ -92,8 +92,8 @@ def test_a_figure_above_the_ideal_is_reported_as_noise():
     assert noisy.hidden_fraction > result.ideal_fraction
     lines = overlap.report_lines(result)
     assert lines[-1] == ("overlap: latency hidden 66% with the order check on (the default), "
-                         "above the ideal 78% (noise, not a result) with it off (host waits: "
-                         "66%, 72%); ideal 78%")
+                         "103%, above the ideal 78% (noise, not a result) with it off (host "
+                         "waits: 66%, 72%); ideal 78%")
     summary = overlap.summary_lines([result, result, result])
     assert "noise, not a result" in summary[3] and "spread 0 points" in summary[1]
     assert fine.blocked_hidden_fraction == pytest.approx(1 - 0.305 / 0.9)
