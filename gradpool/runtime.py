@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from gradpool.comm import (Communicator, SingleProcessCommunicator, communicator_for,
                            init_distributed)
@@ -96,6 +96,9 @@ class Runtime:
     pool: BucketPool
     comm: Communicator
     _groups: dict = field(default_factory=dict)
+    # Applied to each group's communicator when it is built (a test's recording or latency
+    # network in front of every group, not only the world's): ``wrap(comm, group name)``.
+    wrap: Optional[Callable[[Communicator, str], Communicator]] = None
 
     def reducer(self, reduce_dtype=None, comm_fusion: bool = False,
                 comm: Optional[Communicator] = None,
@@ -117,19 +120,28 @@ class Runtime:
             return self.comm
         comm = self._groups.get(group)
         if comm is None:
-            comm = self._groups[group] = communicator_for(self.pool.device, group)
+            comm = communicator_for(self.pool.device, group)
+            if self.wrap is not None:
+                comm = self.wrap(comm, group)
+            self._groups[group] = comm
         return comm
 
 
-def build_runtime(config: GradPoolConfig, comm: Optional[Communicator] = None) -> Runtime:
-    """A new pool on this process's device and ``comm`` (None: :func:`communicator_for`)."""
+def build_runtime(config: GradPoolConfig, comm: Optional[Communicator] = None,
+                  wrap: Optional[Callable[[Communicator, str], Communicator]] = None) -> Runtime:
+    """A new pool on this process's device and ``comm`` (None: :func:`communicator_for`, put
+    behind ``wrap(comm, "world")`` when given; ``wrap`` then also fronts every group's)."""
     if not isinstance(config, GradPoolConfig):
         raise InvalidArgumentError(f"config must be a GradPoolConfig, got {config!r}")
     init_distributed()
     device = real_device_target()
     # Timing each copy synchronizes the device; on Ascend that would serialize copy and comm.
     pool = BucketPool(device=device, timed_copies=device != "Ascend", **config.pool_kwargs())
-    return Runtime(config, pool, comm if comm is not None else communicator_for(device))
+    if comm is None:
+        comm = communicator_for(device)
+        if wrap is not None:
+            comm = wrap(comm, "world")
+    return Runtime(config, pool, comm, wrap=wrap)
 
 
 _RUNTIMES: dict[GradPoolConfig, Runtime] = {}
@@ -161,13 +173,17 @@ def runtime_for(config: GradPoolConfig) -> Runtime:
     return runtime
 
 
-def install_runtime(config: GradPoolConfig, comm: Communicator) -> Runtime:
-    """Build the process-wide runtime of ``config`` on ``comm`` (a test or benchmark network);
-    refused when it exists already (its units would keep the old one)."""
+def install_runtime(config: GradPoolConfig, comm: Optional[Communicator] = None,
+                    wrap: Optional[Callable[[Communicator, str], Communicator]] = None) -> Runtime:
+    """Build the process-wide runtime of ``config`` on ``comm`` (a test or benchmark network), or
+    on this process's communicators each put behind ``wrap(comm, group name)`` (the world's
+    named ``"world"``); refused when it exists already (its units would keep the old one)."""
     if config in _RUNTIMES:
         raise InvalidArgumentError(
             f"a runtime for {config!r} exists already; call reset_runtimes() first")
-    runtime = _RUNTIMES[config] = build_runtime(config, comm)
+    if comm is None and wrap is None:
+        raise InvalidArgumentError("install_runtime needs a communicator or a wrap")
+    runtime = _RUNTIMES[config] = build_runtime(config, comm, wrap)
     return runtime
 
 

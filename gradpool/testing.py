@@ -31,15 +31,19 @@ READ_INPUT_AT = ("launch", "wait")
 class _DelayedHandle(CommHandle):
     """Completes ``delay`` seconds after launch (the data is already written), then maybe fails."""
 
-    def __init__(self, inner: CommHandle, ready_at: float, error: Optional[BaseException]):
+    def __init__(self, inner: CommHandle, ready_at: float, error: Optional[BaseException],
+                 network: Optional["LatencyNetwork"] = None):
         self._inner = inner
         self._ready_at = ready_at
         self._error = error
         self._waited = False
+        self._network = network
 
     def wait(self) -> None:
         remaining = self._ready_at - time.monotonic()
         if remaining > 0:
+            if self._network is not None:
+                self._network.blocked_seconds += remaining
             time.sleep(remaining)
         try:
             self._inner.wait()
@@ -191,28 +195,134 @@ class LatencyCommunicator(_Wrapper):
     """A network in front of a communicator: a collective completes ``latency_seconds`` after it
     starts, at launch or when the previous one completed, whichever is later (one link, like a
     communication stream). Waiting is a sleep, so compute overlaps it. The wrapped collective
-    runs at launch; synchronous calls pay the latency before they return."""
+    runs at launch; synchronous calls pay the latency before they return.
 
-    def __init__(self, inner: Communicator, latency_seconds: float):
+    With ``network`` (a :class:`LatencyNetwork`), the latency, the collectives that carry it and
+    the link (one per group) are the network's; see there."""
+
+    def __init__(self, inner: Communicator, latency_seconds: float = 0.0,
+                 network: Optional["LatencyNetwork"] = None, link: str = "world"):
         _check_seconds("latency_seconds", latency_seconds)
         self.inner = inner
         self.latency_seconds = float(latency_seconds)
+        self.network = network
+        self.link = link
         self.launches = 0
         self._link_free_at = 0.0
 
     def _reduce_scatter(self, output, input, op, async_op) -> CommHandle:
-        return self._send(self.inner.reduce_scatter(output, input, op, async_op), async_op)
+        return self._send("reduce-scatter", self.inner.reduce_scatter(output, input, op, async_op),
+                          async_op)
 
     def _all_gather(self, output, input, async_op) -> CommHandle:
-        return self._send(self.inner.all_gather(output, input, async_op), async_op)
+        return self._send("all-gather", self.inner.all_gather(output, input, async_op), async_op)
 
     def _all_reduce(self, tensor, op, async_op) -> CommHandle:
-        return self._send(self.inner.all_reduce(tensor, op, async_op), async_op)
+        return self._send("all-reduce", self.inner.all_reduce(tensor, op, async_op), async_op)
 
-    def _send(self, inner: CommHandle, async_op: bool) -> CommHandle:
+    def _send(self, kind: str, inner: CommHandle, async_op: bool) -> CommHandle:
         self.launches += 1
-        self._link_free_at = max(time.monotonic(), self._link_free_at) + self.latency_seconds
-        handle = _DelayedHandle(inner, self._link_free_at, None)   # the data is already written
+        if self.network is not None:
+            ready = self.network.ready_at(kind, self.link, async_op)
+        else:
+            ready = self._link_free_at = max(time.monotonic(), self._link_free_at) \
+                + self.latency_seconds
+        handle = _DelayedHandle(inner, ready, None, self.network)   # the data is written
         if not async_op:
             handle.wait()
         return handle
+
+
+class LatencyNetwork:
+    """The network of one process's communicators (the overlap benchmark at any world size):
+    ``install_runtime(config, wrap=network.wrap)`` puts every group's communicator behind it.
+
+    * The collectives of kinds ``delayed`` (e.g. ``("reduce-scatter",)``) complete
+      ``latency_seconds`` after they start, one at a time per group (a link per group, like a
+      communication stream each); ``injected_seconds`` sums what they were given.
+    * Any other collective takes no time of its own and queues on no link.
+    * A synchronous collective (``async_op=False``, whose result the host reads at once) also
+      waits until every link is idle: on a device the host's read blocks until the device has
+      drained everything queued before it.
+
+    ``latency_seconds`` may change between steps (0: a network that costs nothing).
+    ``blocked_seconds`` sums the time the host slept in ``wait()`` for this network: as the
+    network takes no CPU, what its latency added to the wall-clock time."""
+
+    def __init__(self, latency_seconds: float = 0.0, delayed=("reduce-scatter",)):
+        _check_seconds("latency_seconds", latency_seconds)
+        unknown = set(delayed) - {"reduce-scatter", "all-gather", "all-reduce"}
+        if unknown:
+            raise InvalidArgumentError(f"delayed names unknown collectives {sorted(unknown)}; "
+                                       "use reduce-scatter, all-gather, all-reduce")
+        self.latency_seconds = float(latency_seconds)
+        self.delayed = frozenset(delayed)
+        self.injected_seconds = 0.0
+        self.blocked_seconds = 0.0
+        self._links: dict = {}
+
+    def wrap(self, comm: Communicator, group: str) -> LatencyCommunicator:
+        return LatencyCommunicator(comm, network=self, link=group)
+
+    def ready_at(self, kind: str, link: str, async_op: bool) -> float:
+        """When a collective of ``kind`` on ``link`` launched now completes (and books it)."""
+        ready = now = time.monotonic()
+        if kind in self.delayed and self.latency_seconds > 0:
+            ready = self._links[link] = max(now, self._links.get(link, 0.0)) \
+                + self.latency_seconds
+            self.injected_seconds += self.latency_seconds
+        if not async_op:
+            ready = max([ready, *self._links.values()])
+        return ready
+
+
+class CollectiveLog:
+    """What every communicator put behind :meth:`wrap` launched, in launch order: one
+    :class:`RecordingCommunicator` per group, one log for all (``gradpool.install_runtime(config,
+    wrap=log.wrap)`` records every collective of ``fully_shard`` and its groups)::
+
+        log = CollectiveLog()
+        install_runtime(config, wrap=log.wrap)
+        mark = log.mark()
+        ...                                    # one step
+        log.counts(since=mark)                 # {("all-gather", "world"): 4, ...}
+    """
+
+    def __init__(self):
+        self.records: list = []        # (collective, group, group size, elements)
+
+    def wrap(self, comm: Communicator, group: str) -> "RecordingCommunicator":
+        return RecordingCommunicator(comm, group, self)
+
+    def mark(self) -> int:
+        return len(self.records)
+
+    def counts(self, since: int = 0) -> dict:
+        """``{(collective, group): launches}`` of the records after ``since``."""
+        return dict(collections.Counter((kind, group) for kind, group, _, _ in
+                                        self.records[since:]))
+
+
+class RecordingCommunicator(_Wrapper):
+    """Runs each collective on ``inner`` as called, after writing one record of it to ``log``:
+    ``("all-gather" | "reduce-scatter" | "all-reduce", group, group size, input elements)``."""
+
+    def __init__(self, inner: Communicator, group: str, log: CollectiveLog):
+        self.inner = inner
+        self.group = group
+        self.log = log
+
+    def _record(self, kind: str, tensor) -> None:
+        self.log.records.append((kind, self.group, self.inner.world_size, int(tensor.numel())))
+
+    def _reduce_scatter(self, output, input, op, async_op) -> CommHandle:
+        self._record("reduce-scatter", input)
+        return self.inner.reduce_scatter(output, input, op, async_op)
+
+    def _all_gather(self, output, input, async_op) -> CommHandle:
+        self._record("all-gather", input)
+        return self.inner.all_gather(output, input, async_op)
+
+    def _all_reduce(self, tensor, op, async_op) -> CommHandle:
+        self._record("all-reduce", tensor)
+        return self.inner.all_reduce(tensor, op, async_op)

@@ -80,14 +80,19 @@ def test_ep_figures_equal_a_hand_count_on_4_ranks_ep_2():
     # the replay packs every bucket once a step: dense inputs of 4 rows, expert inputs of 2
     assert plan.copy.bytes_copied_per_step == (4 * (root_rows + 2 * layer_rows)
                                                + 2 * expert_rows) * 4
-    # the all-gather dispatcher (CPU's default): per layer, the EP group's 2 x 32 tokens and
-    # their top-2 routing (int32 index, float32 weight) gathered, the outputs reduce-scattered;
-    # backward gathers the output gradients and reduce-scatters the input gradients
+    # the all-gather dispatcher (CPU's default): per layer, the EP group's 2 x 32 tokens with
+    # their routing weights over the 4 experts as extra float32 columns, in one all-gather; the
+    # outputs reduce-scattered; backward gathers the output gradients and reduce-scatters the
+    # input gradients: one collective of each kind per layer and phase
     tokens = 4 * 8
     assert ex.dispatcher == "all-gather"
     gathered = 2 * tokens * hidden * 4
-    routing = 2 * tokens * 2 * (4 + 4)
+    routing = 2 * tokens * 4 * 4
     assert rows["tokens and routing all-gathered, forward"].bytes == 2 * (gathered + routing) / 2
+    assert [rows[name].collectives for name in (
+        "tokens and routing all-gathered, forward", "outputs reduce-scattered, forward (combine)",
+        "tokens all-gathered, backward (output gradients)",
+        "outputs reduce-scattered, backward (input gradients)")] == [2, 2, 2, 2]
     assert rows["outputs reduce-scattered, forward (combine)"].bytes == 2 * gathered / 2
     assert rows["tokens all-gathered, backward (output gradients)"].bytes == 2 * gathered / 2
     assert rows["outputs reduce-scattered, backward (input gradients)"].bytes == 2 * gathered / 2

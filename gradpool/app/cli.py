@@ -153,7 +153,7 @@ def _add_bench(command: Callable[..., argparse.ArgumentParser]) -> None:
     bench.add_argument("--suite", default="copy-reduce",
                        choices=("copy-reduce", "overlap", "memory"),
                        help="copy-reduce: copy-in and reduce-step suites, JSON and report; "
-                            "overlap: latency the asynchronous reduce hides (world size 1); "
+                            "overlap: latency the asynchronous reduce hides (2 msrun ranks); "
                             "memory: per-rank peak memory of a dense stack, unsharded and on 2 "
                             "and 4 msrun ranks, and of an MoE stack at 4 ranks with expert "
                             "parallelism 1, 2 and 4, each beside the plan")
@@ -479,7 +479,7 @@ def _bench(args) -> int:
     if args.nproc < 1:
         raise _UsageError(f"--nproc must be >= 1, got {args.nproc}")
     if args.suite in ("overlap", "memory") and args.device != "CPU":
-        where = ("world size 1, a modelled network" if args.suite == "overlap" else
+        where = ("CPU ranks, a modelled network" if args.suite == "overlap" else
                  "on Ascend launch benchmarks/memory_worker.py under msrun with --device Ascend "
                  "(docs/benchmarks/memory.md)")
         raise _UsageError(f"--suite {args.suite} runs on CPU from this command ({where}); got "

@@ -45,6 +45,7 @@ from gradpool.app.train import (NonFiniteLossError, build_sharded_model, gathere
                                 train_reference, train_sharded)
 from gradpool.layout import GradSlot
 from gradpool.runtime import runtime_for
+import collective_counts
 from harness import Context, Suite, allclose, equal, late_communicators, raises
 from hyper_parallel.core.dtensor.placement_types import Shard
 from npref import np_chunk, reduce_over_ranks, round_to, add_rounded
@@ -855,6 +856,10 @@ def gathers_straight_into_the_buffers(ctx: Context) -> dict:
     checks["both kinds present"] = equal(
         sorted({flag for flags in launched.values() for flag in flags}), [False, True])
     return checks
+
+
+# Collectives per step and rank against the plan and the design (collective_counts.py).
+collective_counts.add_cases(suite, ("fsdp", "ep"))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from gradpool.app.model import TinyDeepSeekV3, next_token_loss
 from gradpool.app.train import (_batch, build_sharded_model, gathered_params, train_reference,
                                 train_sharded)
 from gradpool.runtime import runtime_for
+import collective_counts
 from harness import Context, Suite, allclose, equal, late_communicators
 from reshard_checks import reshard_checks
 from hyper_parallel import clip_grad_norm_, fully_shard, init_device_mesh
@@ -227,6 +228,10 @@ def clip_grad_norm_counts_every_element_once(ctx: Context) -> dict:
             "after clipping the norm is max_norm": allclose(np.array([again]),
                                                             np.array([want2 / 4]), rtol=1e-5,
                                                             atol=0)}
+
+
+# Collectives per step and rank against the plan and the design (collective_counts.py).
+collective_counts.add_cases(suite, ("hsdp",))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ micro-step, or once when micro-steps accumulate into the buckets; HSDP all-reduc
 shards over the replicas. Expert parallelism adds the token dispatch of every MoE layer, per
 micro-step: all-to-all: the ``N * k`` token rows sent to their experts' ranks and the outputs
 sent back (two all-to-alls forward, two backward), ``(E - 1) / E`` of them leaving the rank;
-all-gather: the EP group's tokens ``[E * N, H]`` and routing gathered, the outputs combined by a
+all-gather: the EP group's tokens ``[E * N, H]`` gathered with their routing weights ``[E * N,
+num_experts]`` as extra columns (one all-gather), the outputs combined by a
 reduce-scatter, and in backward the output gradients gathered and the input gradients
 reduce-scattered. Full recompute runs each layer's forward dispatch again in its backward.
 """
@@ -31,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from gradpool.app.config import RunConfig
-from gradpool.app.plan.activations import INDEX_BYTES
 from gradpool.app.plan.geometry import _dtype, _Geometry
 from gradpool.app.plan.options import ITEMSIZE
 
@@ -192,12 +192,12 @@ def _dispatch(cfg: RunConfig, rows: _Rows, compute: int, dispatcher: str, recomp
     factor = (ep - 1) / ep
     gathered = ep * tokens
     for phase in phases:
-        routing = gathered * m.experts_per_token * (INDEX_BYTES + compute) if phase != \
-            "backward" else 0
+        # the dispatcher gathers each token's routing weights over every expert with the token,
+        # as extra columns of one tensor: one all-gather (CPU collectives cost milliseconds)
+        routing = gathered * m.num_experts * compute if phase != "backward" else 0
         rows.add(f"tokens{' and routing' if routing else ''} all-gathered, {phase}"
                  + (" (output gradients)" if phase == "backward" else ""), "all-gather", group,
-                 ep, where, times * (2 if routing else 1),
-                 times * (gathered * hidden * compute + routing), factor)
+                 ep, where, times, times * (gathered * hidden * compute + routing), factor)
         rows.add(f"outputs reduce-scattered, {phase}"
                  + (" (input gradients)" if phase == "backward" else " (combine)"),
                  "reduce-scatter", group, ep, where, times, times * gathered * hidden * compute,
