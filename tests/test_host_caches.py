@@ -13,6 +13,11 @@ from gradpool.host.caches import CacheLevel, read_caches, thresholds_for
 KIB, MIB = 1 << 10, 1 << 20
 
 
+def lines(nbytes: int) -> int:
+    """Whole 64-byte cache lines, rounded down."""
+    return nbytes // 64 * 64
+
+
 def write_sysfs(root: Path, entries) -> Path:
     """``root/index{i}/{level,type,size,shared_cpu_list}`` as Linux writes them."""
     for index, (level, kind, size, shared) in enumerate(entries):
@@ -31,20 +36,20 @@ MACHINES = {
     # 2 vCPUs of an AMD EPYC (Zen 4) VM: the 32 MiB L3 of one die, both vCPUs on it.
     "epyc-2vcpu-32M": ([(1, "Data", "32K", "0"), (1, "Instruction", "32K", "0"),
                         (2, "Unified", "1024K", "0"), (3, "Unified", "32768K", "0-1")],
-                       32 * MIB, 16 * MIB, 32 * MIB // 3),
+                       32 * MIB, 16 * MIB, lines(32 * MIB // 3)),
     # a VM reporting its host's whole 480 MiB L3 to 2 vCPUs: capped at 16 MiB per vCPU
     "vm-reports-host-480M": ([(1, "Data", "48K", "0"), (2, "Unified", "2048K", "0"),
                               (3, "Unified", "491520K", "0-1")],
-                             32 * MIB, 16 * MIB, 32 * MIB // 3),
+                             32 * MIB, 16 * MIB, lines(32 * MIB // 3)),
     # a small desktop part: 8 MiB L3 shared by 8 CPUs (under the cap)
     "desktop-8M": ([(1, "Data", "32K", "0,4"), (2, "Unified", "256K", "0,4"),
-                    (3, "Unified", "8M", "0-7")], 8 * MIB, 4 * MIB, 8 * MIB // 3),
+                    (3, "Unified", "8M", "0-7")], 8 * MIB, 4 * MIB, lines(8 * MIB // 3)),
     # no L3 at all: the L2 is the last level; shared_cpu_list missing counts as 1 CPU
     "l2-only-no-shared-list": ([(1, "Data", "64K", None), (2, "Unified", "4096K", None)],
-                               4 * MIB, 2 * MIB, 4 * MIB // 3),
+                               4 * MIB, 2 * MIB, lines(4 * MIB // 3)),
     # an L3 of one CPU above the per-CPU cap (a VM that pins the host's L3 to one vCPU)
     "one-cpu-96M": ([(1, "Data", "32K", "0"), (3, "Unified", "96M", "0")],
-                    16 * MIB, 8 * MIB, 16 * MIB // 3),
+                    16 * MIB, 8 * MIB, lines(16 * MIB // 3)),
 }
 
 
@@ -72,7 +77,7 @@ def test_missing_sysfs_gives_no_caches_and_the_fallback(tmp_path):
     assert thresholds.source == "fallback"
     assert thresholds.last_level_bytes == caches.FALLBACK_LAST_LEVEL
     assert thresholds.copy_from_bytes == caches.FALLBACK_LAST_LEVEL // 2
-    assert thresholds.cast_from_bytes == caches.FALLBACK_LAST_LEVEL // 3
+    assert thresholds.cast_from_bytes == lines(caches.FALLBACK_LAST_LEVEL // 3)
 
 
 def test_malformed_entries_are_skipped_not_guessed(tmp_path):
@@ -120,9 +125,14 @@ def test_thresholds_never_exceed_what_the_cache_can_hold(found):
     written do; the share is never more than the largest cache nor the per-CPU cap allows."""
     thresholds = thresholds_for(found)
     share = thresholds.last_level_bytes
-    assert thresholds.copy_from_bytes * 2 <= share < (thresholds.copy_from_bytes + 1) * 2
-    assert thresholds.cast_from_bytes * 3 <= share < (thresholds.cast_from_bytes + 1) * 3
-    assert thresholds.cast_from_bytes <= thresholds.copy_from_bytes
+    copy_from, cast_from = thresholds.copy_from_bytes, thresholds.cast_from_bytes
+    assert copy_from % 64 == 0 and cast_from % 64 == 0
+    if share >= 3 * 64:
+        assert copy_from * 2 <= share < (copy_from + 64) * 2
+        assert cast_from * 3 <= share < (cast_from + 64) * 3
+    else:                           # a cache under three lines: one line each
+        assert copy_from == cast_from == 64
+    assert cast_from <= copy_from
     if found:
         top = max(found, key=lambda c: (c.level, c.size_bytes))
         assert share == min(top.size_bytes, caches.MAX_CACHE_PER_CPU * top.shared_cpus)

@@ -27,6 +27,7 @@ MAX_CACHE_PER_CPU = 16 << 20
 # ship to a pair of cores. Too small a guess only streams some buckets that would have fit the
 # cache (copy speed about equal); too large a guess copies larger buckets at memcpy's 3-byte cost.
 FALLBACK_LAST_LEVEL = 8 << 20
+CACHE_LINE = 64
 
 
 @dataclass(frozen=True)
@@ -123,12 +124,19 @@ def last_level_share(caches: Sequence[CacheLevel]) -> Optional[int]:
 def thresholds_for(caches: Sequence[CacheLevel], source: str = "sysfs") -> StreamThresholds:
     """The streaming thresholds for a machine with ``caches`` (no caches: an assumed
     :data:`FALLBACK_LAST_LEVEL`). A copy streams once its source and destination together
-    exceed the last-level share, the cast once its read and written bytes do."""
+    exceed the last-level share, the cast once its read and written bytes do (whole cache lines,
+    so a bucket just past a threshold already streams a vector)."""
     share = last_level_share(caches)
     if share is None:
         share, source = FALLBACK_LAST_LEVEL, "fallback"
-    return StreamThresholds(copy_from_bytes=share // 2, cast_from_bytes=share // 3,
+    return StreamThresholds(copy_from_bytes=_whole_lines(share // 2),
+                            cast_from_bytes=_whole_lines(share // 3),
                             last_level_bytes=share, source=source)
+
+
+def _whole_lines(nbytes: int) -> int:
+    """``nbytes`` rounded down to whole 64-byte cache lines (at least one)."""
+    return max(CACHE_LINE, nbytes // CACHE_LINE * CACHE_LINE)
 
 
 @functools.lru_cache(maxsize=1)
