@@ -1,13 +1,13 @@
 """Copy-in through the public reducer API against NumPy's memcpy, on the CPU it runs on.
 
-    python -m benchmarks.copyin_api [--size-mib 64] [--world 1] [--rounds 40] [--runs 3]
+    python -m benchmarks.copyin_api [--size-mib 64] [--padded] [--rounds 40] [--runs 3]
                                     [--variants]
 
 One gradient of ``--size-mib`` MiB (its own dtype's bytes, as the copy-in sweep counts them) is
 packed by ``GradReducer.pack`` into a pool bucket and the bucket discarded (``BucketPool`` and
-``ReducerConfig`` defaults but the reduce dtype), for each dtype pair; with ``--world 2`` it is
-packed as a 2-rank job packs it (``GradReducer.pack(..., world_size=2)``: the bucket holds each
-rank's chunk of dim 0 in turn, so it is not the flat gradient). The reference is
+``ReducerConfig`` defaults but the reduce dtype), for each dtype pair. With ``--padded`` the gradient has one element more, so its 512-byte
+aligned bucket is padded past it and the general path writes it (what most gradients of odd
+sizes, and every fused bucket, take), not the single-gradient address write. The reference is
 ``np.copyto`` of the bytes the pack writes between two NumPy arrays. The two are timed **stepped
 in turn**, one call of each per round, ``--rounds`` rounds, and that ``--runs`` times; a run's
 ratio is memcpy median / pool median (higher is better, 1 = memcpy's speed), and each row gives
@@ -71,7 +71,7 @@ def _ml_bits(values: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def make_pair(grad_dtype: str, bucket_dtype: str, nbytes: int, variants: bool,
-              world: int = 1) -> PairRun:
+              padded: bool = False) -> PairRun:
     import ml_dtypes
     import mindspore as ms
 
@@ -79,7 +79,7 @@ def make_pair(grad_dtype: str, bucket_dtype: str, nbytes: int, variants: bool,
     from gradpool.dtypes import data_pointer, host_address, host_alias
     from gradpool.host import kernels, writer
 
-    numel = nbytes // _WIDTH[grad_dtype]
+    numel = nbytes // _WIDTH[grad_dtype] + (1 if padded else 0)
     values = np.resize(np.random.default_rng(5).standard_normal(65521).astype(np.float32), numel)
     grad = ms.Tensor(values).astype(getattr(ms, grad_dtype))
     pool = BucketPool()
@@ -90,10 +90,10 @@ def make_pair(grad_dtype: str, bucket_dtype: str, nbytes: int, variants: bool,
     ref_dst = np.empty_like(ref_src)
 
     def pool_pack():
-        reducer.discard(reducer.pack([grad], world_size=world))
+        reducer.discard(reducer.pack([grad]))
 
     calls = {"memcpy": lambda: np.copyto(ref_dst, ref_src), "pool": pool_pack}
-    if variants and world > 1:
+    if variants and padded:
         def strided_numpy():
             saved = writer._RUN_FROM_BYTES
             writer._RUN_FROM_BYTES = 1 << 62
@@ -131,14 +131,13 @@ def make_pair(grad_dtype: str, bucket_dtype: str, nbytes: int, variants: bool,
             calls["ml_dtypes into bucket"] = lambda: np.copyto(bucket, source, casting="unsafe")
 
     def check():
-        buckets = reducer.pack([grad], world_size=world)
+        buckets = reducer.pack([grad])
         try:
             got = np.frombuffer(buckets[0].input_tensor.view(
                 ms.int32 if bucket_dtype == "float32" else ms.int16).asnumpy().tobytes(),
-                np.uint32 if bucket_dtype == "float32" else np.uint16)
+                np.uint32 if bucket_dtype == "float32" else np.uint16)[:numel]
             as_grad = values if grad_dtype == "float32" else \
                 values.astype(ml_dtypes.bfloat16).astype(np.float32)
-            # a 2-rank bucket of an even dim-0 split is the two chunks in turn: the flat gradient
             want = _ml_bits(as_grad, bucket_dtype)
             if not np.array_equal(got, want):
                 raise AssertionError(f"{grad_dtype}->{bucket_dtype}: the bucket differs from "
@@ -161,10 +160,11 @@ def stepped(calls: dict, rounds: int) -> dict:
     return samples
 
 
-def measure(size_mib: int, rounds: int, runs: int, variants: bool, world: int = 1) -> list[dict]:
+def measure(size_mib: int, rounds: int, runs: int, variants: bool,
+            padded: bool = False) -> list[dict]:
     rows = []
     for grad_dtype, bucket_dtype in PAIRS:
-        pair = make_pair(grad_dtype, bucket_dtype, size_mib << 20, variants, world)
+        pair = make_pair(grad_dtype, bucket_dtype, size_mib << 20, variants, padded)
         ratios: dict = {name: [] for name in pair.calls if name != "memcpy"}
         fastest: dict = {name: [] for name in ratios}
         memcpy_ms = []
@@ -192,7 +192,8 @@ def table(rows: list[dict], machine: dict, load: tuple, args) -> str:
              f"streaming from {machine['copy_stream_from_mib']:g} MiB (copy), "
              f"{machine['cast_stream_from_mib']:.3g} MiB (cast) written, from "
              f"{machine['thresholds_from']}",
-             f"gradient {args.size_mib} MiB, bucket laid out for world size {args.world}, "
+             f"gradient {args.size_mib} MiB" + (" + 1 element, padded bucket" if args.padded
+                                                 else ", bucket = the flat gradient") + ", "
              f"{args.rounds} rounds stepped in turn x {args.runs} "
              f"runs; load average {load[0]:.1f} before, {load[1]:.1f} after",
              "", "| CPU | gradient -> bucket | path | written | memcpy median | speed vs "
@@ -214,8 +215,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.copyin_api",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mib", type=int, default=64)
-    parser.add_argument("--world", type=int, default=1,
-                        help="the bucket's layout: 1 = the flat gradient, 2 = a 2-rank job's")
+    parser.add_argument("--padded", action="store_true",
+                        help="one element more: a padded bucket, written by the general path")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--variants", action="store_true",
@@ -226,7 +227,7 @@ def main(argv=None) -> int:
     from gradpool.device import block_launches
     block_launches()                      # as gradpool train runs CPU ranks
     before = os.getloadavg()[0]
-    rows = measure(args.size_mib, args.rounds, args.runs, args.variants, args.world)
+    rows = measure(args.size_mib, args.rounds, args.runs, args.variants, args.padded)
     print(table(rows, cpu_row(), (before, os.getloadavg()[0]), args))
     return 0
 

@@ -36,20 +36,20 @@ MACHINES = {
     # 2 vCPUs of an AMD EPYC (Zen 4) VM: the 32 MiB L3 of one die, both vCPUs on it.
     "epyc-2vcpu-32M": ([(1, "Data", "32K", "0"), (1, "Instruction", "32K", "0"),
                         (2, "Unified", "1024K", "0"), (3, "Unified", "32768K", "0-1")],
-                       32 * MIB, 16 * MIB, lines(32 * MIB // 3)),
+                       32 * MIB, lines(32 * MIB // 3), lines(32 * MIB // 3)),
     # a VM reporting its host's whole 480 MiB L3 to 2 vCPUs: capped at 16 MiB per vCPU
     "vm-reports-host-480M": ([(1, "Data", "48K", "0"), (2, "Unified", "2048K", "0"),
                               (3, "Unified", "491520K", "0-1")],
-                             32 * MIB, 16 * MIB, lines(32 * MIB // 3)),
+                             32 * MIB, lines(32 * MIB // 3), lines(32 * MIB // 3)),
     # a small desktop part: 8 MiB L3 shared by 8 CPUs (under the cap)
     "desktop-8M": ([(1, "Data", "32K", "0,4"), (2, "Unified", "256K", "0,4"),
-                    (3, "Unified", "8M", "0-7")], 8 * MIB, 4 * MIB, lines(8 * MIB // 3)),
+                    (3, "Unified", "8M", "0-7")], 8 * MIB, lines(8 * MIB // 3), lines(8 * MIB // 3)),
     # no L3 at all: the L2 is the last level; shared_cpu_list missing counts as 1 CPU
     "l2-only-no-shared-list": ([(1, "Data", "64K", None), (2, "Unified", "4096K", None)],
-                               4 * MIB, 2 * MIB, lines(4 * MIB // 3)),
+                               4 * MIB, lines(4 * MIB // 3), lines(4 * MIB // 3)),
     # an L3 of one CPU above the per-CPU cap (a VM that pins the host's L3 to one vCPU)
     "one-cpu-96M": ([(1, "Data", "32K", "0"), (3, "Unified", "96M", "0")],
-                    16 * MIB, 8 * MIB, lines(16 * MIB // 3)),
+                    16 * MIB, lines(16 * MIB // 3), lines(16 * MIB // 3)),
 }
 
 
@@ -76,7 +76,7 @@ def test_missing_sysfs_gives_no_caches_and_the_fallback(tmp_path):
     thresholds = thresholds_for(())
     assert thresholds.source == "fallback"
     assert thresholds.last_level_bytes == caches.FALLBACK_LAST_LEVEL
-    assert thresholds.copy_from_bytes == caches.FALLBACK_LAST_LEVEL // 2
+    assert thresholds.copy_from_bytes == lines(caches.FALLBACK_LAST_LEVEL // 3)
     assert thresholds.cast_from_bytes == lines(caches.FALLBACK_LAST_LEVEL // 3)
 
 
@@ -85,7 +85,7 @@ def test_malformed_entries_are_skipped_not_guessed(tmp_path):
                            (3, "Unified", "lots", "0-1")])
     (tmp_path / "index9").mkdir()                 # an entry with no files at all
     assert read_caches(tmp_path) == (CacheLevel(1, 32 * KIB), CacheLevel(2, MIB))
-    assert thresholds_for(read_caches(tmp_path)).copy_from_bytes == MIB // 2
+    assert thresholds_for(read_caches(tmp_path)).copy_from_bytes == lines(MIB // 3)
 
 
 def test_without_sysfs_the_machine_reads_sysconf_then_falls_back(monkeypatch, tmp_path):
@@ -97,7 +97,7 @@ def test_without_sysfs_the_machine_reads_sysconf_then_falls_back(monkeypatch, tm
     caches.stream_thresholds.cache_clear()
     try:
         found = caches.stream_thresholds()
-        assert (found.source, found.copy_from_bytes) == ("sysconf", 4 * MIB)
+        assert (found.source, found.copy_from_bytes) == ("sysconf", lines(8 * MIB // 3))
 
         def no_sysconf(name):
             raise ValueError(name)
@@ -121,14 +121,15 @@ levels = st.lists(st.builds(CacheLevel, level=st.integers(1, 4),
 @settings(max_examples=300, deadline=None)
 @given(levels)
 def test_thresholds_never_exceed_what_the_cache_can_hold(found):
-    """The copy streams once source + bucket exceed the share, the cast once its 3 bytes per byte
-    written do; the share is never more than the largest cache nor the per-CPU cap allows."""
+    """Both stream from a third of the share, in whole lines (the cast once its 3 bytes per byte
+    written exceed it); the share is never more than the largest cache nor the per-CPU cap
+    allows."""
     thresholds = thresholds_for(found)
     share = thresholds.last_level_bytes
     copy_from, cast_from = thresholds.copy_from_bytes, thresholds.cast_from_bytes
     assert copy_from % 64 == 0 and cast_from % 64 == 0
     if share >= 3 * 64:
-        assert copy_from * 2 <= share < (copy_from + 64) * 2
+        assert copy_from * 3 <= share < (copy_from + 64) * 3
         assert cast_from * 3 <= share < (cast_from + 64) * 3
     else:                           # a cache under three lines: one line each
         assert copy_from == cast_from == 64

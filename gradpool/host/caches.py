@@ -19,9 +19,10 @@ from typing import Optional, Sequence
 logger = logging.getLogger(__name__)
 
 SYSFS_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
-# A VM may report its host's whole L3, of which it gets far less; no x86 part ships more than
-# this much last-level cache per core, so a share above it per CPU sharing the cache is not
-# believed (docs/benchmarks/host-path.md#stream-thresholds-from-the-cache-size).
+# A VM may report its host's whole L3, of which it gets far less, so a share above this per CPU
+# sharing the cache is not believed. Few parts have more per core; on those the cap only streams
+# buckets that would have fit, at about the same copy speed
+# (docs/benchmarks/host-path.md#stream-thresholds-from-the-cache-size).
 MAX_CACHE_PER_CPU = 16 << 20
 # When no cache size can be read at all: a last-level cache as small as x86 servers and desktops
 # ship to a pair of cores. Too small a guess only streams some buckets that would have fit the
@@ -44,7 +45,8 @@ class CacheLevel:
 class StreamThresholds:
     """From how many bytes written the compiled host writers use non-temporal stores.
 
-    ``copy_from_bytes``: a same-dtype copy of ``n`` bytes touches ``2 n`` bytes of cache.
+    ``copy_from_bytes``: a same-dtype copy of ``n`` bytes holds ``2 n`` bytes in the cache, in a
+    cache it never has to itself (the other CPUs sharing it; on a VM, the host's other guests).
     ``cast_from_bytes``: float32 -> bfloat16 writes ``n`` bytes from ``2 n`` read, ``3 n`` in all.
     ``last_level_bytes`` is the cache share they were derived from, ``source`` where it came from
     (``sysfs``, ``sysconf`` or ``fallback``), both for reports."""
@@ -123,13 +125,15 @@ def last_level_share(caches: Sequence[CacheLevel]) -> Optional[int]:
 
 def thresholds_for(caches: Sequence[CacheLevel], source: str = "sysfs") -> StreamThresholds:
     """The streaming thresholds for a machine with ``caches`` (no caches: an assumed
-    :data:`FALLBACK_LAST_LEVEL`). A copy streams once its source and destination together
-    exceed the last-level share, the cast once its read and written bytes do (whole cache lines,
-    so a bucket just past a threshold already streams a vector)."""
+    :data:`FALLBACK_LAST_LEVEL`): a third of the last-level share, written, for both. The cast
+    then streams once its read and written bytes exceed the share; the copy, whose source and
+    bucket are two thirds of it, a little before they alone would, where its two store kinds
+    were measured to meet (docs/benchmarks/host-path.md, "Stream thresholds from the cache
+    size"). Whole cache lines, so a bucket just past a threshold already streams a vector."""
     share = last_level_share(caches)
     if share is None:
         share, source = FALLBACK_LAST_LEVEL, "fallback"
-    return StreamThresholds(copy_from_bytes=_whole_lines(share // 2),
+    return StreamThresholds(copy_from_bytes=_whole_lines(share // 3),
                             cast_from_bytes=_whole_lines(share // 3),
                             last_level_bytes=share, source=source)
 

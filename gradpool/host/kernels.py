@@ -20,10 +20,10 @@ _NO_NUMBA = ("numba cannot be imported (%s): host casts fall back to NumPy and m
              "bits, several times slower; pip install 'numba>=0.60,<0.69'")
 
 
-# From how many bytes written the compiled writers use non-temporal stores, derived from this
-# machine's last-level cache (gradpool.host.caches: a copy streams once its source and bucket
-# together exceed it, the float32 -> bfloat16 cast once its read and written bytes do). Read by
-# every call, so tests can replace them.
+# From how many bytes written the compiled writers use non-temporal stores: a third of this
+# machine's last-level cache share (gradpool.host.caches), past which a bucket leaves the cache
+# anyway and an ordinary store reads each line before overwriting it. Read by every call, so
+# tests can replace them.
 _THRESHOLDS = caches.stream_thresholds()
 STREAM_FROM_BYTES = _THRESHOLDS.cast_from_bytes
 COPY_STREAM_FROM_BYTES = _THRESHOLDS.copy_from_bytes
