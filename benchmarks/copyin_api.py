@@ -189,7 +189,7 @@ def measure(size_mib: int, rounds: int, runs: int, variants: bool,
 
 def table(rows: list[dict], machine: dict, load: tuple, args) -> str:
     lines = [f"CPU: {machine['cpu_model']}, {machine['cpus']} CPUs; caches {machine['caches']}; "
-             f"streaming from {machine['copy_stream_from_mib']:g} MiB (copy), "
+             f"streaming from {machine['copy_stream_from_mib']:.3g} MiB (copy), "
              f"{machine['cast_stream_from_mib']:.3g} MiB (cast) written, from "
              f"{machine['thresholds_from']}",
              f"gradient {args.size_mib} MiB" + (" + 1 element, padded bucket" if args.padded

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     machine = cpu_row()
     before = os.getloadavg()[0]
     print(f"CPU: {machine['cpu_model']}, {machine['cpus']} CPUs; caches {machine['caches']}; "
-          f"thresholds in use: copy {machine['copy_stream_from_mib']:g} MiB, cast "
+          f"thresholds in use: copy {machine['copy_stream_from_mib']:.3g} MiB, cast "
           f"{machine['cast_stream_from_mib']:.3g} MiB written ({machine['thresholds_from']}); "
           f"{args.rounds} rounds x {args.runs} runs, stepped in turn")
     print("| copy size | copy streaming | copy memmove | cast written | cast streaming | "
