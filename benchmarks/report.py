@@ -92,6 +92,19 @@ def _spread(t: Optional[dict]) -> str:
     return text
 
 
+def _caches_text(machine: dict) -> str:
+    """``; caches ...; host copies stream from ...`` (files before the caches were recorded: "")."""
+    if not machine.get("caches"):
+        return ""
+    text = f"; caches {machine['caches']}"
+    stream = machine.get("stream_thresholds")
+    if stream:
+        text += (f"; host copies stream from {stream['copy_from_bytes'] / 2**20:.3g} MiB "
+                 f"written (casts {stream['cast_from_bytes'] / 2**20:.3g} MiB; from "
+                 f"{stream['from']})")
+    return text
+
+
 def markdown(results: dict, chart_name: Optional[str] = None) -> str:
     summary = results.get("summary") or summarize(results)
     m, opts = results["machine"], results["options"]
@@ -101,7 +114,8 @@ def markdown(results: dict, chart_name: Optional[str] = None) -> str:
     lines = ["# gradpool benchmark results", "",
              f"- Command: `{results['command']}`",
              f"- Date (UTC): {results['created']}; git commit {commit_text}",
-             f"- Machine: {m['cpu_model']}, {m['cores']} cores, {m['platform']}",
+             f"- Machine: {m['cpu_model']}, {m['cores']} cores, {m['platform']}"
+             f"{_caches_text(m)}",
              f"- Software: Python {m['python']}, MindSpore {m['mindspore']}, NumPy {m['numpy']}, "
              f"ml-dtypes {m.get('ml_dtypes', '?')}, pytest-benchmark "
              f"{m.get('pytest_benchmark', '?')}",

@@ -182,7 +182,13 @@ def machine_info(device: str, world_size: int) -> dict:
     import ml_dtypes
     import mindspore as ms
     import numpy as np
+    from gradpool.host import caches
+    thresholds = caches.stream_thresholds()
     return {"cpu_model": _cpu_model(), "cores": os.cpu_count(), "machine": platform.machine(),
+            "caches": caches.describe_caches(caches.read_caches()),
+            "stream_thresholds": {"copy_from_bytes": thresholds.copy_from_bytes,
+                                  "cast_from_bytes": thresholds.cast_from_bytes,
+                                  "from": thresholds.source},
             "platform": platform.platform(), "python": platform.python_version(),
             "mindspore": ms.__version__, "numpy": np.__version__,
             "ml_dtypes": ml_dtypes.__version__, "pytest_benchmark": _version("pytest-benchmark"),

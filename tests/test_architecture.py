@@ -1,7 +1,8 @@
 """The layering of gradpool, enforced on the source: imports only point down.
 
-Bottom up: errors; layout, reuse, dtypes, device; pool | comm | exchange | gathered (siblings); pack (the
-device writer); host (the CPU host writer: kernels, views, writer); writers; reducer; runtime and
+Bottom up: errors; layout, reuse, dtypes, device; pool | comm | exchange | gathered (siblings);
+pack (the device writer); host (the CPU host writer: caches, kernels, views, writer); writers;
+reducer; runtime and
 testing. hyper_parallel sits on top and imports gradpool only through its root; gradpool.app, the
 CLI and the benchmarks runner sit on top of both.
 """
@@ -19,7 +20,7 @@ LAYER = {"errors": 0, "layout": 1, "reuse": 1, "dtypes": 1, "device": 1, "pool":
          "exchange": 2, "gathered": 2, "pack": 3, "host": 4, "writers": 5, "reducer": 6, "runtime": 7,
          "testing": 7}
 # Inside the host subpackage, the same rule among its modules.
-HOST_LAYER = {"kernels": 0, "views": 1, "writer": 2}
+HOST_LAYER = {"caches": 0, "kernels": 1, "views": 2, "writer": 3}
 ABOVE_CORE = ("hyper_parallel", "gradpool.app", "benchmarks")
 
 
@@ -116,9 +117,18 @@ def test_reuse_is_pure_python():
 
 
 def test_kernels_are_numpy_and_numba_only():
-    """The compiled loops work on addresses and NumPy arrays: no MindSpore, no gradpool."""
+    """The compiled loops work on addresses and NumPy arrays: no MindSpore, no gradpool but the
+    cache sizes their thresholds come from."""
     for module in imported_modules(HOST / "kernels.py"):
-        assert not module.startswith(("mindspore", "gradpool")), module
+        assert not module.startswith("mindspore"), module
+        assert not module.startswith("gradpool") or module.startswith("gradpool.host.caches") \
+            or module == "gradpool.host", module
+
+
+def test_caches_are_pure_python():
+    """The cache sizes and the thresholds derived from them need neither a device nor numba."""
+    for module in imported_modules(HOST / "caches.py"):
+        assert not module.startswith(("mindspore", "numpy", "numba", "gradpool")), module
 
 
 def test_the_facade_names_resolve_and_stay_below_the_application():

@@ -30,8 +30,11 @@ def test_json_structure(quick_results):
     assert data["schema"] == runner.SCHEMA and data["command"] == COMMAND
     machine = data["machine"]
     for key in ("cpu_model", "cores", "mindspore", "numpy", "ml_dtypes", "python", "device",
-                "git_commit"):
+                "git_commit", "caches"):
         assert machine[key], key
+    from gradpool.host import kernels
+    assert machine["stream_thresholds"]["copy_from_bytes"] == kernels.COPY_STREAM_FROM_BYTES
+    assert machine["stream_thresholds"]["cast_from_bytes"] == kernels.STREAM_FROM_BYTES
     assert len(machine["git_commit"]) == 40 and isinstance(machine["git_dirty"], bool)
     assert machine["device"] == "CPU" and machine["world_size"] == 1
     assert data["options"]["quick"] is True and data["options"]["nproc"] == 1
@@ -96,6 +99,9 @@ def test_report_writes_markdown_and_png(quick_results, tmp_path):
     assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 10_000
     text = md.read_text()
     assert COMMAND in text and "MindSpore 2.10" in text and "cores" in text
+    machine = json.loads(out.read_text())["machine"]
+    assert f"- Machine: {machine['cpu_model']}, " in text
+    assert f"; caches {machine['caches']}; host copies stream from " in text
     assert f"]({png.name})" in text
     for heading in ("## Copy-in of one gradient", "## Fixed cost per call",
                     "## Many small gradients", "## Reduce step"):

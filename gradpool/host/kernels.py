@@ -12,20 +12,22 @@ from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
+from gradpool.host import caches
+
 logger = logging.getLogger(__name__)
 
 _NO_NUMBA = ("numba cannot be imported (%s): host casts fall back to NumPy and ml-dtypes, same "
              "bits, several times slower; pip install 'numba>=0.60,<0.69'")
 
 
-# From this many bytes written, the compiled float32 -> bfloat16 cast uses non-temporal stores: a
-# store missing the cache otherwise reads its line first, so the memory-bound cast moves 4 + 2 + 2
-# bytes per element, not 4 + 2 (docs/benchmarks/host-path.md#cast-streaming-threshold).
-STREAM_FROM_BYTES = 8 << 20
-# From this many bytes the compiled same-dtype copy streams its stores. Below, glibc's memmove
-# keeps the bucket in the caches the collective reads it from next; glibc's own streaming starts
-# too late for buckets that leave the cache (docs/benchmarks/host-path.md#copy-streaming-threshold).
-COPY_STREAM_FROM_BYTES = 24 << 20
+# From how many bytes written the compiled writers use non-temporal stores: a third of this
+# machine's last-level cache share (gradpool.host.caches), past which a bucket leaves the cache
+# anyway and an ordinary store reads each line before overwriting it. Read by every call, so
+# tests can replace them.
+_THRESHOLDS = caches.stream_thresholds()
+STREAM_FROM_BYTES = _THRESHOLDS.cast_from_bytes
+COPY_STREAM_FROM_BYTES = _THRESHOLDS.copy_from_bytes
+
 _STREAM_LANES = 16          # elements per vector store: 32 bytes, one AVX2 register
 _PAGE_BYTES = 4096
 # Pages a streaming copy walks at once, a read and a write stream each: more write streams than

@@ -66,6 +66,27 @@ _UNKNOWN = object()
 _NAME_OF = {id(getattr(ms, name)): name for name in DTYPE_NAMES}
 
 
+def compiled_array_write(dst: np.ndarray, src: np.ndarray) -> bool:
+    """Write ``src`` into ``dst`` (same shape, both contiguous, memory apart) with the compiled
+    address writer of their dtypes: a copy, or a cast written as MindSpore casts (float32 ->
+    bfloat16 NaNs as 0x7FC0 already); True if it did. False, having written nothing, for another
+    pair, a strided or overlapping pair, or without numba: the caller writes it with NumPy.
+    What lets a padded or fused bucket's contiguous runs (a dim-0 shard's chunk) stream their
+    stores and cast at the compiled loop's speed, as the single-gradient pack does."""
+    if src.shape != dst.shape or not (src.flags.c_contiguous and dst.flags.c_contiguous):
+        return False
+    write = kernels.address_writer(src.dtype.name, dst.dtype.name) \
+        if src.dtype.name in _ARRAY_NAMES and dst.dtype.name in _ARRAY_NAMES else None
+    if write is None or src.size == 0 or np.may_share_memory(dst, src):
+        return False
+    write(dst.ctypes.data, src.ctypes.data, src.size)
+    return True
+
+
+# NumPy dtype names of the arrays host_view and host_alias give (bfloat16: ml_dtypes').
+_ARRAY_NAMES = frozenset(DTYPE_NAMES)
+
+
 def compiled_cast(dst: np.ndarray, src: np.ndarray) -> bool:
     """Write ``src`` (float32) cast to bfloat16 into ``dst`` of the same length in one compiled
     pass, as MindSpore casts (nearest even, inf kept, NaN as 0x7FC0); True if it did. False,

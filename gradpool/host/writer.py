@@ -25,7 +25,7 @@ from gradpool.dtypes import (canonicalize_nans, data_pointer, host_address, host
                              is_whole_storage, itemsize)
 from gradpool.errors import LeaseStateError
 from gradpool.host import kernels
-from gradpool.host.views import compiled_cast, compiled_writer, host_view
+from gradpool.host.views import compiled_array_write, compiled_cast, compiled_writer, host_view
 from gradpool.layout import GradSlot, ReduceScatterLayout
 from gradpool.pack import Written, check_gathered, check_write, unshard
 from gradpool.pool import Lease
@@ -146,7 +146,8 @@ class HostWriter:
         if src is None:
             return None
         if not add and src.dtype == bucket.dtype:
-            np.copyto(bucket, src)
+            if not compiled_array_write(bucket, src):
+                np.copyto(bucket, src)
             return Written(layout.total_numel * bucket.dtype.itemsize, 0, True)
         if np.may_share_memory(bucket, src):
             # NumPy buffers an overlapping 1-D copy only for negative strides; a cast over its
@@ -174,9 +175,7 @@ class HostWriter:
             # NaN and out-of-range values cast as in MindSpore (NaN, inf): NumPy's warning is noise
             with np.errstate(invalid="ignore", over="ignore"):
                 for slot, grad in zip(layout.slots, grads):
-                    src = _source_array(grad)
-                    rounded = rounded or src.dtype != bucket.dtype
-                    _write_chunks(rows, src, slot, add)
+                    rounded = _write_chunks(rows, _source_array(grad), slot, add) or rounded
         if rounded and bucket.dtype.itemsize == 2:
             canonicalize_nans(bucket)
 
@@ -184,6 +183,8 @@ class HostWriter:
 def _write_flat(bucket: np.ndarray, src: np.ndarray, add: bool) -> bool:
     """Write (or add) flat ``src`` into flat ``bucket`` of the same length; True when the result
     was rounded into a narrower dtype by NumPy (its NaNs still to canonicalize)."""
+    if not add and compiled_array_write(bucket, src):
+        return False          # a cast's NaNs written canonical already
     rounded = add or src.dtype != bucket.dtype
     if not rounded:
         np.copyto(bucket, src)
@@ -210,10 +211,11 @@ def _source_array(grad: ms.Tensor) -> np.ndarray:
     return array if array is not None else host_view(grad).reshape(-1)
 
 
-def _write_chunks(rows: np.ndarray, src: np.ndarray, slot: GradSlot, add: bool) -> None:
+def _write_chunks(rows: np.ndarray, src: np.ndarray, slot: GradSlot, add: bool) -> bool:
     """Write ``src`` (of ``slot.shape``) as its W chunks along the shard dim into ``rows``
     (``[W, row_numel]``) at ``slot.offset``; a chunk's padding past the gradient is zeroed (pack)
-    or left alone (accumulate: it holds the zeros the pack wrote)."""
+    or left alone (accumulate: it holds the zeros the pack wrote). True when NumPy rounded
+    into the bucket's dtype (its NaNs still to canonicalize)."""
     world, chunk, dim = slot.world_size, slot.chunk_size, slot.shard_dim
     length = slot.shape[dim]
     outer = math.prod(slot.shape[:dim])
@@ -222,16 +224,42 @@ def _write_chunks(rows: np.ndarray, src: np.ndarray, slot: GradSlot, add: bool) 
     # Splitting the contiguous column range of every row: a view, the writes land in the bucket.
     dst = rows[:, slot.offset:slot.offset + outer * chunk * inner].reshape(world, outer, chunk,
                                                                            inner)
-    if length == world * chunk:      # even: one strided write for all ranks
+    rounded = add or src.dtype != rows.dtype
+    if length == world * chunk:
+        if outer == 1 and chunk * inner * rows.dtype.itemsize >= _RUN_FROM_BYTES:
+            # dim 0 sharded: each rank's chunk is one contiguous run on both sides
+            runs, end = src.reshape(world, chunk * inner), slot.offset + chunk * inner
+            return any([_write_run(rows[rank, slot.offset:end], runs[rank], add)
+                        for rank in range(world)])
+        # one strided write for all ranks
         _into(dst, src.reshape(outer, world, chunk, inner).transpose(1, 0, 2, 3), add)
-        return
+        return rounded
+    narrowed = add
     for rank in range(world):
         start = rank * chunk
         valid = max(0, min(chunk, length - start))
         if valid:
-            _into(dst[rank, :, :valid], src[:, start:start + valid], add)
+            narrowed = _write_run(dst[rank, :, :valid], src[:, start:start + valid], add) \
+                or narrowed
         if valid < chunk and not add:
             dst[rank, :, valid:] = 0
+    return narrowed
+
+
+# From this many bytes per rank an even dim-0 shard is written one rank's run at a time, each a
+# compiled write (streaming stores, the compiled cast); below, the one strided NumPy write of all
+# ranks costs less than a Python call per rank.
+_RUN_FROM_BYTES = 64 << 10
+
+
+def _write_run(dst: np.ndarray, src: np.ndarray, add: bool) -> bool:
+    """Write (or add) ``src`` into ``dst`` of the same shape: a compiled write where both are
+    contiguous (:func:`compiled_array_write`), else NumPy. True when NumPy rounded into the
+    bucket's dtype (its NaNs still to canonicalize)."""
+    if not add and compiled_array_write(dst, src):
+        return False
+    _into(dst, src, add)
+    return add or src.dtype != dst.dtype
 
 
 def _into(dst: np.ndarray, src: np.ndarray, add: bool) -> None:
