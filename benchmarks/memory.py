@@ -24,12 +24,21 @@ blocks' worth. The full run gives the pair ranks of its own; ``--quick`` runs it
 ranks after the control (a launch costs ~14 s): the same difference, both peaks lower by what the
 control leaves that the pair reuses (docs/benchmarks/memory.md).
 
+The main_grad row: the same stack in main_grad mode (``apply_grad_on_fp32_main_grad``, the
+asynchronous reduce, the optimizer fed from ``p.main_grad``), as a user measures a job: each
+process's peak above its RSS before anything of the run (the library's fixed cost and the build
+included), less the same measurement of a tiny model (the stack at ``tiny_hidden``: imports,
+compiled host loops, kernels and collective graphs, which do not scale with the model), against
+the same difference for the unsharded process. Four processes per world size (the stack and the
+tiny one, unsharded and sharded); the full run only. ``--main-grad-only`` runs nothing else.
+
 The MoE rows (:mod:`benchmarks.memory_moe`): the tiny DeepSeek model with expert-heavy sizes at
 4 ranks, expert parallelism 1 (plain FSDP) against 2 and 4, each its own launch, the model memory
 at the peak beside the plan's prediction for the same config (with its activation estimate).
 ``--quick`` runs EP 1 and 4 only, 2 steps; ``--moe-only`` runs nothing else.
 
-    python -m benchmarks.memory [--quick] [--moe-only] [--layers N --hidden H --batch B --steps S]
+    python -m benchmarks.memory [--quick] [--moe-only] [--main-grad-only]
+                                [--layers N --hidden H --batch B --steps S]
 """
 from __future__ import annotations
 
@@ -83,17 +92,23 @@ class MemoryOptions:
     # the MoE rows (None: left out): the tiny DeepSeek model, expert-heavy, EP 1 against E > 1
     # at one world size, each EP its own launch (benchmarks/memory_moe.py)
     moe: Optional[MoeOptions] = MoeOptions()
+    # the main_grad row (False: left out): the stack in main_grad mode against the unsharded
+    # process, each net of the same run of the stack at tiny_hidden (its fixed cost)
+    main_grad_row: bool = True
+    tiny_hidden: int = 64
 
     @classmethod
     def quick(cls) -> "MemoryOptions":
         # the default stack's shape and both modes, fewer steps: the steady state is reached
         # after the first step (every buffer the step needs exists by then); the recompute
         # pair's peak is its first step's too (the same activations every step), and it rides
-        # in the control's ranks rather than pay a launch
-        return cls(steps=2, recompute_steps=1, recompute_alone=False, moe=MoeOptions.quick())
+        # in the control's ranks rather than pay a launch; no main_grad row (its figure is
+        # the full run's: four more processes per world size)
+        return cls(steps=2, recompute_steps=1, recompute_alone=False, moe=MoeOptions.quick(),
+                   main_grad_row=False)
 
-    def worker_args(self) -> list:
-        return ["--layers", str(self.layers), "--hidden", str(self.hidden),
+    def worker_args(self, hidden: Optional[int] = None) -> list:
+        return ["--layers", str(self.layers), "--hidden", str(hidden or self.hidden),
                 "--batch", str(self.batch), "--steps", str(self.steps)]
 
     def recompute_args(self) -> list:
@@ -161,11 +176,32 @@ class RecomputeRow:
 
 
 @dataclass
+class MainGradRow:
+    """The stack and the tiny stack in main_grad mode, growth from the start of each process:
+    ``runs[(world, tiny)]``, world 1 the unsharded process."""
+    runs: dict = field(default_factory=dict)
+
+    @property
+    def worlds(self) -> list:
+        return sorted({world for world, _ in self.runs if world > 1})
+
+    def net_bytes(self, world: int) -> int:
+        """The largest rank's growth less the tiny model's on the same rank: what scales with
+        the model on a card."""
+        big, tiny = self.runs[(world, False)].records, self.runs[(world, True)].records
+        return max(b["growth_bytes"] - t["growth_bytes"] for b, t in zip(big, tiny))
+
+    def ratio(self, world: int) -> float:
+        return self.net_bytes(world) / self.net_bytes(1)
+
+
+@dataclass
 class MemoryResult:
     options: MemoryOptions
     runs: list
     controls: dict = field(default_factory=dict)     # world -> the collectives-only Run
     recompute: Optional[RecomputeRow] = None
+    main_grad: Optional[MainGradRow] = None
     moe: list = field(default_factory=list)          # of MoeRun, in options.moe.eps order
 
     def run(self, world: int, reshard: Optional[bool] = True) -> Run:
@@ -265,6 +301,37 @@ def _run_recompute_alone(options: MemoryOptions, out_dir: Path, world: int) -> R
     return _pair(out_dir, world)
 
 
+def _main_grad_name(world: int, tiny: bool) -> str:
+    return f"main_grad W={world}" + (" tiny" if tiny else "")
+
+
+def _run_main_grad_one(options: MemoryOptions, out_dir: Path, world: int, tiny: bool) -> Run:
+    name = _main_grad_name(world, tiny)
+    flags = ["--main-grad", "--from-start", "--name", name]
+    sizes = options.worker_args(options.tiny_hidden if tiny else None)
+    if world > 1:
+        return Run(name, world, True, _launch(options, out_dir, world, name, flags, sizes=sizes))
+    done = subprocess.run([sys.executable, str(WORKER), str(out_dir), "--unsharded", *flags,
+                           *sizes], capture_output=True, text=True, timeout=options.timeout,
+                          check=False)
+    if done.returncode != 0:
+        raise MemoryBenchmarkError(f"{name} failed (exit {done.returncode}): "
+                                   f"{done.stderr[-2000:]}")
+    return Run(name, 1, None, _records(out_dir, 1, name))
+
+
+def run_main_grad_row(options: MemoryOptions, out_dir=None) -> MainGradRow:
+    """The main_grad row alone: unsharded, then each world size, the tiny stack after the
+    stack (every run a process of its own: VmHWM is per process)."""
+    base = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="gp-mg-"))
+    row = MainGradRow()
+    for world in (1, *options.worlds):
+        for tiny in (False, True):
+            row.runs[(world, tiny)] = _run_main_grad_one(
+                options, base / f"main-grad-w{world}{'-tiny' if tiny else ''}", world, tiny)
+    return row
+
+
 def _run_moe(options: MemoryOptions, out_dir: Path, ep: int) -> MoeRun:
     moe = options.moe
     run = MoeRun(ep, moe.world)
@@ -291,6 +358,8 @@ def run(options: MemoryOptions = MemoryOptions(), out_dir=None) -> MemoryResult:
         if world == pair_world and result.recompute is None:
             result.recompute = _run_recompute_alone(options, base / f"w{world}-recompute",
                                                     world)
+    if options.main_grad_row:
+        result.main_grad = run_main_grad_row(options, base)
     result.moe = run_moe_rows(options, base)
     return result
 
@@ -333,12 +402,33 @@ def report_lines(result: MemoryResult) -> list:
                      f"({net / unsharded:.2f}x unsharded, a diagnostic, not the headline)")
     if result.recompute is not None:
         lines.extend(recompute_lines(result.recompute))
+    if result.main_grad is not None:
+        lines.extend(main_grad_lines(o, result.main_grad))
     if result.moe:
         lines.extend(moe_report_lines(o.moe, result.moe))
     # the headline is the default, reshard_after_forward=True, nothing subtracted
     lines.append("memory: " + ", ".join(
         f"W={w} {_mib(result.run(w).growth_bytes)} MiB ({result.ratio(w):.2f}x unsharded)"
         for w in o.worlds))
+    return lines
+
+
+def main_grad_lines(o: MemoryOptions, row: MainGradRow) -> list:
+    """The main_grad row: per world size, each rank's growth from the process's start, the tiny
+    stack's, and the largest rank's difference against the unsharded process's."""
+    lines = [f"  main_grad mode, {o.layers} x {o.hidden} x {o.hidden} float32, {o.steps} steps, "
+             f"peak above each process's start, net of the same run of {o.layers} x "
+             f"{o.tiny_hidden} x {o.tiny_hidden} (its fixed cost):"]
+    for world in (1, *row.worlds):
+        big, tiny = row.runs[(world, False)], row.runs[(world, True)]
+        label = "unsharded" if world == 1 else f"W={world}"
+        lines.append(
+            f"    {label:<9} growth per rank {', '.join(_mib(r['growth_bytes']) for r in big.records)}"
+            f" MiB, tiny {', '.join(_mib(r['growth_bytes']) for r in tiny.records)} MiB: net "
+            f"{_mib(row.net_bytes(world))} MiB ({row.ratio(world):.2f}x unsharded)")
+    lines.append("main_grad: " + ", ".join(
+        f"W={w} {_mib(row.net_bytes(w))} MiB ({row.ratio(w):.2f}x unsharded)"
+        for w in row.worlds) + f", net of the tiny model; unsharded {_mib(row.net_bytes(1))} MiB")
     return lines
 
 
@@ -372,6 +462,8 @@ def main(argv=None) -> int:
     parser.add_argument("--worlds", type=int, nargs="+", default=None)
     parser.add_argument("--moe-only", action="store_true",
                         help="only the MoE rows (EP 1 against E > 1), not the dense stack")
+    parser.add_argument("--main-grad-only", action="store_true",
+                        help="only the main_grad row (net of a tiny model), not the rest")
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="where the runs' reports and logs go (default: a new temp dir)")
     args = parser.parse_args(argv)
@@ -379,6 +471,8 @@ def main(argv=None) -> int:
     try:
         if args.moe_only:
             lines = moe_report_lines(options.moe, run_moe_rows(options, args.out_dir))
+        elif args.main_grad_only:
+            lines = main_grad_lines(options, run_main_grad_row(options, args.out_dir))
         else:
             lines = report_lines(run(options, args.out_dir))
     except MemoryBenchmarkError as exc:

@@ -212,19 +212,27 @@ def _sync() -> None:
 
 def run_one(*, layers: int, hidden: int, batch: int, steps: int, sharded: bool,
             reshard_after_forward: bool, main_grad: bool, prefetch: bool, rank: int,
-            world: int, device: str) -> dict:
-    """Build, measure the baseline, shard (or not), train; the record of this configuration."""
+            world: int, device: str, from_start: bool = False) -> dict:
+    """Build, measure the baseline, shard (or not), train; the record of this configuration.
+
+    ``from_start``: the baseline is taken before anything of the run (the library's fixed
+    cost, the build): the growth is all the process adds, as a user measures it, and the
+    main_grad row subtracts a tiny model's run to leave what scales with the model."""
     import mindspore as ms
     import numpy as np
     from mindspore import mint, ops
 
+    if from_start:
+        gc.collect()
+        meter = Meter(device)
     library_bytes = prepay_library() if sharded else 0
     model = build_stack(layers, hidden, seed=0)
     x = ms.Tensor(np.random.default_rng(1 + rank).standard_normal((batch, hidden),
                                                                    dtype=np.float32))
     gc.collect()
     _sync()
-    meter = Meter(device)
+    if not from_start:
+        meter = Meter(device)
     start = time.perf_counter()
     if sharded:
         _shard_units(model, reshard_after_forward=reshard_after_forward, main_grad=main_grad,
@@ -257,7 +265,7 @@ def run_one(*, layers: int, hidden: int, batch: int, steps: int, sharded: bool,
     return {
         "rank": rank, "world": world, "sharded": sharded,
         "reshard_after_forward": reshard_after_forward if sharded else None,
-        "main_grad": main_grad, "prefetch": prefetch and sharded,
+        "main_grad": main_grad, "prefetch": prefetch and sharded, "from_start": from_start,
         "layers": layers, "hidden": hidden, "batch": batch, "steps": steps,
         "baseline_bytes": meter.baseline, "peak_bytes": peak,
         "growth_bytes": peak - meter.baseline, "end_rss_bytes": end_rss,
@@ -424,6 +432,10 @@ def main(argv=None) -> int:
                         help="the control: the stack's collectives without a model")
     parser.add_argument("--main-grad", action="store_true",
                         help="MixedPrecisionPolicy(apply_grad_on_fp32_main_grad=True)")
+    parser.add_argument("--from-start", action="store_true",
+                        help="baseline before the library's fixed cost and the build (the "
+                             "main_grad row), not after the build")
+    parser.add_argument("--name", default=None, help="the record's name (default from the run)")
     parser.add_argument("--no-prefetch", action="store_true",
                         help="no forward/backward prefetch of the neighbouring layer")
     parser.add_argument("--recompute-pair", action="store_true",
@@ -457,12 +469,13 @@ def main(argv=None) -> int:
         record = run_collectives_only(layers=args.layers, hidden=args.hidden, steps=args.steps,
                                       rank=rank, world=world, device=args.device, hold=held)
     elif not args.recompute_pair:
-        name = "unsharded" if args.unsharded else f"W={world} reshard={args.reshard}"
+        name = args.name or ("unsharded" if args.unsharded
+                             else f"W={world} reshard={args.reshard}")
         record = run_one(layers=args.layers, hidden=args.hidden, batch=args.batch,
                          steps=args.steps, sharded=not args.unsharded,
                          reshard_after_forward=args.reshard, main_grad=args.main_grad,
                          prefetch=not args.no_prefetch, rank=rank, world=world,
-                         device=args.device)
+                         device=args.device, from_start=args.from_start)
     else:
         name = record = None
     finite = True

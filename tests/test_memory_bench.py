@@ -45,7 +45,8 @@ def test_memory_benchmark_small_run(tmp_path):
                                    timeout=300, recompute_layers=4, recompute_hidden=16,
                                    recompute_ffn=512, recompute_rows=2048, recompute_steps=1,
                                    recompute_alone=False,       # as --quick: no launch of its own
-                                   moe=None)                    # test_moe_rows_small_run
+                                   moe=None,                    # test_moe_rows_small_run
+                                   main_grad_row=False)         # test_main_grad_row_small_run
     result = memory.run(options, tmp_path)
     assert [r.name for r in result.runs] == ["unsharded", "W=2 reshard=True",
                                              "W=2 reshard=False"]
@@ -76,6 +77,39 @@ def test_memory_benchmark_small_run(tmp_path):
     assert lines[5].startswith("  W=2 recompute: 4 blocks 16 -> 512 -> 16, 2048 rows a rank, "
                                "1 step(s), after the control in its ranks; peak per rank ")
     assert "activations recompute drops 16.0 MiB a rank (4 x 4.0 MiB" in lines[6]
+
+
+@pytest.mark.distributed
+def test_main_grad_row_small_run(tmp_path):
+    """The main_grad row at 2 ranks, small: four processes (the stack and the tiny stack,
+    unsharded and sharded), every one in main_grad mode measured from its start; rank 0's
+    first loss is the unsharded process's (same weights, same batch), and the report's net
+    figures are the records' differences."""
+    options = memory.MemoryOptions(layers=2, hidden=128, batch=4, steps=2, worlds=(2,),
+                                   tiny_hidden=16, timeout=300, moe=None)
+    row = memory.run_main_grad_row(options, tmp_path)
+    assert sorted(row.runs) == [(1, False), (1, True), (2, False), (2, True)]
+    for (world, tiny), run in row.runs.items():
+        assert [r["rank"] for r in run.records] == list(range(world))
+        for record in run.records:
+            assert record["main_grad"] and record["from_start"] and record["finite"]
+            assert record["hidden"] == (16 if tiny else 128) and len(record["losses"]) == 2
+            assert record["peak_bytes"] >= record["baseline_bytes"] > 0
+    first = row.runs[(1, False)].records[0]["losses"][0]
+    assert row.runs[(2, False)].records[0]["losses"][0] == pytest.approx(first, rel=1e-6)
+    # the sharded process pays the library's fixed cost, which the tiny run measures
+    assert all(r["library_bytes"] > 0 for r in row.runs[(2, True)].records)
+    big, tiny = row.runs[(2, False)].records, row.runs[(2, True)].records
+    assert row.net_bytes(2) == max(b["growth_bytes"] - t["growth_bytes"]
+                                   for b, t in zip(big, tiny))
+    assert row.ratio(2) == row.net_bytes(2) / row.net_bytes(1)
+    lines = memory.main_grad_lines(options, row)
+    assert lines[0].startswith("  main_grad mode, 2 x 128 x 128 float32, 2 steps, peak above "
+                               "each process's start, net of the same run of 2 x 16 x 16")
+    assert lines[1].startswith("    unsharded growth per rank ")
+    assert lines[2].startswith("    W=2       growth per rank ")
+    assert re.fullmatch(r"main_grad: W=2 -?\d+\.\d MiB \(-?\d+\.\d\dx unsharded\), net of the "
+                        r"tiny model; unsharded -?\d+\.\d MiB", lines[3]), lines[3]
 
 
 def _check_recompute_row(row):

@@ -164,3 +164,34 @@ def test_plan_options_are_checked():
     with pytest.raises(InvalidArgumentError):
         PlanOptions(device_memory_gib=-1)
     assert "device" in format_plan(plan_memory(load_config(ASCEND_2)))
+
+
+@pytest.mark.parametrize("async_reduce, micro, held_layers", [
+    (True, 1, 0),     # the asynchronous reduce lands after backward: no main_grad in it
+    (False, 1, 7),    # synchronous: every layer but the one in backward has landed
+    (True, 2, 8),     # each micro-step reduced: the first landed before the second's backward
+])
+def test_plan_counts_main_grad_from_its_first_landing(async_reduce, micro, held_layers):
+    """main_grad is allocated when a unit's first reduced shard lands (not at zero_grad): the
+    plan's per-rank figure counts, in the largest unit's backward, only the main_grad already
+    landed by then, and takes the larger of that and the step's end (every main_grad landed,
+    nothing gathered). The memory bench's stack: 8 layers of 64 x 64 and a root vector, 2 ranks."""
+    from benchmarks.memory import stack_specs
+    from gradpool.app.config import from_dict
+    overrides = ["launch.ranks=2", "fully_shard.apply_grad_on_fp32_main_grad=true",
+                 "fully_shard.reduce_dtype=float32", "train.optimizer=sgd",
+                 f"gradpool.async_reduce={str(async_reduce).lower()}",
+                 f"train.micro_steps={micro}", "fully_shard.all_reduce_every_micro_step=false"]
+    plan = plan_memory(from_dict({}, overrides), specs=stack_specs(8, 64))
+    layer_shard = 64 * 64 // 2 * 4
+    assert plan.params.main_grad_bytes == 8 * layer_shard + 64 // 2 * 4
+    # the root's vector counts with the landed ones (conservative: it lands last in backward)
+    assert plan.params.main_grad_in_backward_bytes == held_layers * layer_shard + (
+        64 // 2 * 4 if held_layers else 0)
+    ctx = plan.context
+    assert ctx.after_landing_bytes == ctx.state_and_pool_bytes
+    assert ctx.in_backward_bytes == (ctx.state_and_pool_bytes - plan.params.main_grad_bytes
+                                     + plan.params.main_grad_in_backward_bytes
+                                     + ctx.gathered_at_once_bytes
+                                     + ctx.largest_unit_grad_bytes)
+    assert ctx.as_implemented_bytes == max(ctx.in_backward_bytes, ctx.after_landing_bytes)

@@ -240,6 +240,69 @@ def _inject_failures(model, run: Run, rank: int, world: int) -> dict:
     return checks
 
 
+class MainGradWatch:
+    """Watches when each parameter's ``main_grad`` holds memory (main_grad mode), through every
+    unit's landing and ``zero_grad`` (its reduce path's own methods, wrapped; the collectives
+    run for real): from ``zero_grad`` until a parameter's first reduced shard lands, its
+    ``main_grad`` holds nothing (``main_grad_held`` None), so at each landing no parameter of a
+    unit that has not landed since the last ``zero_grad`` may hold one, and after it the unit's
+    every parameter holds a float32 tensor of its local shape."""
+
+    def __init__(self, model):
+        self.units = model._hsdp_units()           # pylint: disable=protected-access
+        self.landed: set = set()                   # units landed since the last zero_grad
+        self.early: list = []                      # (unit, parameter) held before its landing
+        self.after_landing: list = []              # what a landed unit's parameters hold
+        self.after_zero: list = []                 # parameters still holding after zero_grad
+        self.landings = 0
+        for unit in self.units:
+            path = unit.reduce_path
+            path._land_in_main_grad = self._landing(unit, path._land_in_main_grad)
+            path.zero_grad = self._zeroing(unit, path.zero_grad)
+
+    def _held(self, unit) -> list:
+        return [p for p in unit.params if p.main_grad_held is not None]
+
+    def _landing(self, unit, land):
+        def watched():
+            self.early += [(u.params[0].name, p.name) for u in self.units
+                           if id(u) not in self.landed for p in self._held(u)]
+            land()
+            self.landed.add(id(unit))
+            self.landings += 1
+            self.after_landing += [
+                (p.name, None if p.main_grad_held is None else
+                 (str(p.main_grad_held.dtype), tuple(p.main_grad_held.shape) == p.local_shape))
+                for p in unit.params]
+        return watched
+
+    def _zeroing(self, unit, zero):
+        def watched():
+            zero()
+            self.landed.discard(id(unit))
+            self.after_zero += [p.name for p in self._held(unit)]
+        return watched
+
+    def after_backward(self, step: int, skipped: set) -> dict:
+        """Before the optimizer reads ``main_grad``: the units that ran hold it, a skipped unit
+        holds nothing yet (reading it makes zeros, compared with the reference's)."""
+        held = sorted(p.name for u in self.units for p in self._held(u))
+        want = sorted(p.name for u in self.units for p in u.params
+                      if not {p.name.split(".")[0]} & skipped)
+        return {f"step {step}: main_grad held by the parameters of the units that ran only":
+                equal(held, want)}
+
+    def checks(self, landings: int) -> dict:
+        return {
+            "main_grad held before its unit's first landing since zero_grad": equal(self.early,
+                                                                                    []),
+            "main_grad held after zero_grad": equal(self.after_zero, []),
+            "every landing leaves float32 main_grad of the local shape": equal(
+                sorted({v for _, v in self.after_landing}, key=str), [("Float32", True)]),
+            "landings watched": equal(self.landings, landings),
+        }
+
+
 def train_and_compare(ctx, run: Run) -> dict:
     if run.entry == "value_and_grad":
         return _train_and_compare(ctx, run)
@@ -260,6 +323,7 @@ def _train_and_compare(ctx, run: Run) -> dict:
     grad_fn = gradient_step(model, params, run.entry)
     ref_fn = ms.value_and_grad(lambda x: loss_of(ref, x), None, ref_params)
     pool = runtime_for(config).pool
+    watch = MainGradWatch(model) if run.extra.get("watch_main_grad") else None
     reserved = []
     for step in range(STEPS):
         rows = run.seq_lens[step] if run.seq_lens else ROWS
@@ -279,6 +343,8 @@ def _train_and_compare(ctx, run: Run) -> dict:
             continue            # abandoned on every rank: no update, as for the reference
         grads, ref_grads = _accumulated_grads(model, run, grad_fn, ref_fn, step, rank, world,
                                               rows)
+        if watch is not None:
+            checks.update(watch.after_backward(step, {"b"} if model.skip_b else set()))
         if run.entry == "backward":
             if run.mode != "plain":
                 checks[f"step {step}: grad stays None in main_grad mode"] = equal(
@@ -300,6 +366,8 @@ def _train_and_compare(ctx, run: Run) -> dict:
                 [n for n, c in model.a.cells_and_names() if type(c).__name__ == "_RecomputeCell"],
                 [])
     model.zero_grad()
+    if watch is not None:
+        checks.update(watch.checks(run.extra["landings"]))
     checks["no lease held after the steps"] = equal(pool.stats().live_leases, 0)
     # buckets are reserved in the first step and reused (shapes, skipped units, uses vary)
     checks["pool reserved nothing after step 0"] = equal(reserved, reserved[:1] * STEPS)
@@ -372,6 +440,14 @@ _add("weight_read_outside_its_unit", Run(pattern="tie"))
 _add("dynamic_rows_and_a_frozen_parameter", Run(frozen_bias=True, seq_lens=(4, 2, 3)))
 _add("micro_steps_reduced_each", Run(micro="sync"))
 _add("micro_steps_without_sync", Run(micro="no_sync"))
+# main_grad costs memory only once it holds a gradient: allocated at its unit's first landing
+# after zero_grad (MICRO micro-batches reduced at each: the later ones add into it), unit b
+# skipped in step 1 (its main_grad, never landed, read as zeros by the optimizer); landings: 4
+# units x MICRO micro-batches in steps 0 and 2, 3 units in step 1
+_add("main_grad_allocated_at_its_first_landing",
+     Run(skip_b_at=(1,), micro="sync",
+         extra={"watch_main_grad": True, "landings": (4 + 3 + 4) * MICRO}),
+     ("main_async", "main_sync"))
 
 
 def through_both_entries(fn):

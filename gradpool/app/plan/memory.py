@@ -44,7 +44,8 @@ class ParamPlan:
     shard_bytes: int                      # the local shards are float32
     shard_padding_elements_rank0: int
     shard_padding_elements_last: int
-    main_grad_bytes: int
+    main_grad_bytes: int                  # once every unit's gradient landed
+    main_grad_in_backward_bytes: int      # held while the largest unit's backward runs
     shard_grad_bytes: int                 # plain mode: the shard gradients autograd owns
     optimizer_state_bytes: int
     optimizer: str
@@ -113,7 +114,9 @@ class ContextPlan:
     state_and_pool_bytes: int
     with_one_unit_bytes: int
     gathered_at_once_bytes: int
-    as_implemented_bytes: int
+    in_backward_bytes: int                # state, pool, gathered units and one unit's gradients
+    after_landing_bytes: int              # state, pool and every main_grad, gathered released
+    as_implemented_bytes: int             # the larger of the two
 
 
 @dataclass(frozen=True)
@@ -236,6 +239,24 @@ def _bucket_bytes(geo: _Geometry, pool: _PoolReplay, reduces: list) -> _BucketBy
                  for r in reduces])
 
 
+def _main_grad_in_backward(cfg: RunConfig, geo: _Geometry, main_grad_bytes: int) -> int:
+    """What ``main_grad`` holds while the largest unit's backward runs. It is allocated when a
+    unit's first reduced shard lands after ``zero_grad``: with the asynchronous reduce at the
+    end of backward, so none during it; synchronous, in each unit's own backward, so every unit
+    but the running one; and in full when earlier micro-steps landed already (each micro-step
+    reduced, no HSDP partial sums and no accumulation in the units' buckets)."""
+    every_micro_step_lands = (cfg.train.micro_steps > 1
+                              and not cfg.fully_shard.all_reduce_every_micro_step
+                              and geo.replicas == 1)
+    if every_micro_step_lands:
+        return main_grad_bytes
+    if cfg.gradpool.async_reduce:
+        return 0
+    largest = max(geo.units, key=lambda u: u.numel)
+    running = sum(slot.chunk_numel for r in largest.reduces for slot in r.layout.slots) * 4
+    return main_grad_bytes - running
+
+
 def _plan_config(cfg: RunConfig) -> PlanConfig:
     return PlanConfig(ranks=cfg.launch.ranks, nodes=cfg.launch.nodes,
                       device=cfg.launch.device, comm_fusion=cfg.fully_shard.comm_fusion,
@@ -252,6 +273,8 @@ def _param_plan(cfg: RunConfig, geo: _Geometry, reduces: list) -> ParamPlan:
                  for slot in r.layout.slots) for first in (True, False)]
     use_main_grad = cfg.fully_shard.apply_grad_on_fp32_main_grad
     return ParamPlan(
+        main_grad_in_backward_bytes=_main_grad_in_backward(cfg, geo, shard_numel * 4)
+        if use_main_grad else 0,
         total=geo.model_numel,                          # every expert, not only this rank's
         shard_elements=shard_numel,
         shard_bytes=shard_numel * 4,                    # the local shards are float32
@@ -351,6 +374,9 @@ def _context_plan(cfg: RunConfig, geo: _Geometry, options: PlanOptions, params: 
     state_and_pool = params.shard_bytes + params.main_grad_bytes + params.shard_grad_bytes \
         + params.optimizer_state_bytes + pool_high_water + hccl
     at_once = _gathered_at_once(cfg, geo)
+    # main_grad costs memory only once a gradient landed: in backward, only what landed already
+    in_backward = (state_and_pool - params.main_grad_bytes + params.main_grad_in_backward_bytes
+                   + at_once + gathered)
     return ContextPlan(
         largest_unit=largest.name, largest_unit_gathered_bytes=gathered,
         largest_unit_grad_bytes=gathered,
@@ -358,7 +384,9 @@ def _context_plan(cfg: RunConfig, geo: _Geometry, options: PlanOptions, params: 
         hccl_buffer_bytes=hccl, hccl_communicators=communicators,
         device_memory_bytes=int(memory * GIB) if memory else None,
         state_and_pool_bytes=state_and_pool, with_one_unit_bytes=state_and_pool + 2 * gathered,
-        gathered_at_once_bytes=at_once, as_implemented_bytes=state_and_pool + at_once + gathered)
+        gathered_at_once_bytes=at_once, in_backward_bytes=in_backward,
+        after_landing_bytes=state_and_pool,
+        as_implemented_bytes=max(in_backward, state_and_pool))
 
 
 def _fit(context: ContextPlan, activations: ActivationPlan, micro_steps: int) -> FitPlan:

@@ -34,7 +34,10 @@ def format_plan(plan: MemoryPlan, source: str = "") -> str:
     lines += _experts(plan) + [""]
     rows = [
         ("parameter shards (float32)", p.shard_bytes, "persistent"),
-        ("main_grad (float32)", p.main_grad_bytes, "persistent"),
+        ("main_grad (float32)", p.main_grad_bytes,
+         f"allocated when its first reduced shard lands, dropped at zero_grad; "
+         f"{human(p.main_grad_in_backward_bytes)} held in the largest unit's backward"
+         if p.main_grad_bytes else "none (plain mode)"),
         ("shard gradients returned (plain mode)", p.shard_grad_bytes,
          "autograd's copies of the reduced shards, until the optimizer step"),
         (f"optimizer state ({p.optimizer})", p.optimizer_state_bytes, "persistent"),
@@ -77,7 +80,9 @@ def format_plan(plan: MemoryPlan, source: str = "") -> str:
                  if ctx.hccl_buffer_bytes else ""),
               f"per rank without activations: state + pool {human(ctx.state_and_pool_bytes)}; "
               f"+ one unit gathered {human(ctx.with_one_unit_bytes)}; as implemented "
-              f"({_as_implemented(plan)}) {human(ctx.as_implemented_bytes)}"
+              f"({_as_implemented(plan)}) {human(ctx.as_implemented_bytes)}, the larger of "
+              f"the largest unit's backward {human(ctx.in_backward_bytes)} and every main_grad "
+              f"landed {human(ctx.after_landing_bytes)}"
               + (f"; device {human(ctx.device_memory_bytes)}"
                  if ctx.device_memory_bytes else "")]
     memory = ctx.device_memory_bytes

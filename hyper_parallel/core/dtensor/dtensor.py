@@ -31,7 +31,8 @@ from hyper_parallel.core.dtensor.spec import DTensorSpec, spec_from_local
 from hyper_parallel.core.not_provided import (DISTRIBUTE_TENSOR, DTENSOR_LAYOUTS, refuse,
                                               refused_function)
 
-__all__ = ["DTensor", "SkipDTensorDispatch", "distribute_tensor", "as_managed_dtensor"]
+__all__ = ["DTensor", "SkipDTensorDispatch", "distribute_tensor", "as_managed_dtensor",
+           "held_main_grad", "set_main_grad_default"]
 logger = logging.getLogger(__name__)
 
 
@@ -159,17 +160,43 @@ class _ManagedTensorOps:
 
 class _ManagedParameterOps(_ManagedTensorOps):
     """A managed parameter's ``main_grad`` is a DTensor with the parameter's own layout, however
-    it is set (zeros at ``zero_grad``, a sum on the CPU path, ``None`` to drop it)."""
+    it is set (the first reduced shard that lands, a sum on the CPU path, ``None`` to drop it).
+
+    It costs memory only once it holds something: with a default set
+    (:func:`set_main_grad_default`, ``fully_shard``'s main_grad mode), reading ``main_grad``
+    while nothing is held makes the default (zeros) then and keeps it, so a unit that did not
+    run in a step still gives the optimizer a gradient; the reduce path reads what is held with
+    :func:`held_main_grad`, which allocates nothing."""
 
     @property
     def main_grad(self):
-        return self.__dict__.get("_dtensor_main_grad")
+        held = self.__dict__.get("_dtensor_main_grad")
+        if held is None:
+            default = self.__dict__.get("_dtensor_main_grad_default")
+            if default is not None:
+                self.main_grad = default()
+                held = self.__dict__["_dtensor_main_grad"]
+        return held
 
     @main_grad.setter
     def main_grad(self, value) -> None:
         if value is not None and not isinstance(value, DTensor):
             as_managed_dtensor(value, self._dtensor_spec)
         self.__dict__["_dtensor_main_grad"] = value
+
+
+def held_main_grad(tensor):
+    """What ``tensor.main_grad`` holds in memory now (None: nothing), without making its
+    default: the reduce path's read, so that a first landing allocates main_grad itself."""
+    if isinstance(tensor, _ManagedParameterOps):
+        return tensor.__dict__.get("_dtensor_main_grad")
+    return getattr(tensor, "main_grad", None)
+
+
+def set_main_grad_default(tensor, default) -> None:
+    """``default()`` (or None: no default) is what reading ``tensor.main_grad`` makes and keeps
+    while it holds nothing; ``tensor`` is a Parameter, managed now or later."""
+    tensor.__dict__["_dtensor_main_grad_default"] = default
 
 
 _MANAGED_CLASSES: dict = {}

@@ -11,6 +11,10 @@ Lifetime of the reduced shard: ``reduced_shard()`` (the unit's own use) is a vie
 output bucket, valid until ``clear_reduce_scatter_output()``; what anyone else receives
 (upstream's ``reduce_scatter_output()``, ``apply_reduced_grad``, ``main_grad``) is memory of
 their own (pool memory never leaves the pool).
+
+``main_grad`` (main_grad mode) holds no memory from ``zero_grad`` until the parameter's first
+reduced shard lands, which allocates it (:meth:`MindSporeHSDPParamV2.add_to_main_grad`); read
+before that, it is zeros made on the read.
 """
 from __future__ import annotations
 
@@ -27,8 +31,10 @@ from mindspore import Parameter, mint
 
 from gradpool import (GradientIntegrityError, GradSlot, InvalidArgumentError, ReduceResult,
                       ReduceScatterLayout, add_in_place, check_in_place_add, check_reduce_op,
-                      pack_bucket, synchronize, device_target, unpack_gathered, unshard,
+                      on_real_device, pack_bucket, synchronize, device_target,
+                      unpack_gathered, unshard,
                       writable_view)
+from hyper_parallel.core.dtensor.dtensor import held_main_grad, set_main_grad_default
 from hyper_parallel.platform.mindspore.fully_shard.meta_init import (install_sharded_init, is_meta,
                                                                       meta_shard)
 
@@ -149,7 +155,9 @@ class MindSporeHSDPParamV2:
 
     def adopt(self, original: Parameter) -> None:
         """Mark the shard and the original as managed (the commit step of ``fully_shard``)."""
-        self.sharded_param.main_grad = self.zero_main_grad()
+        self.sharded_param.main_grad = None      # allocated when a gradient lands
+        set_main_grad_default(self.sharded_param, self.zero_main_grad if self.use_main_grad
+                              else None)
         self.sharded_param.hsdp_param = self
         original.hsdp_managed_by = self    # so another unit will not shard it again
         if not self.replicate:
@@ -274,18 +282,31 @@ class MindSporeHSDPParamV2:
             self.add_to_main_grad(reduced)
         return grad
 
-    def add_to_main_grad(self, reduced: ms.Tensor) -> None:
-        """``main_grad += reduced`` in float32 (created on the first reduce after zero_grad).
+    @property
+    def main_grad_held(self) -> Optional[ms.Tensor]:
+        """What ``main_grad`` holds in memory now, without allocating: None from ``zero_grad``
+        (and ``fully_shard``) until the first reduced shard lands."""
+        return held_main_grad(self.sharded_param)
 
-        ``main_grad`` never aliases the pool bucket ``reduced`` lives in (the bucket goes back to
-        the pool right after). Accumulating: in place, on Ascend with ``Tensor.add_``, on the
-        CPU through host memory (:func:`gradpool.add_in_place`: there ``add_`` of a plain
-        tensor silently leaves it unchanged); a new tensor only where neither applies."""
-        main = self.sharded_param.main_grad
-        addend = reduced if reduced.dtype == ms.float32 else reduced.astype(ms.float32)
+    def add_to_main_grad(self, reduced: ms.Tensor, owned: bool = False) -> None:
+        """``main_grad += reduced`` in float32; ``owned``: ``reduced`` is a tensor of its own (a
+        scaled shard), not a view of a pool bucket.
+
+        The first landing since ``zero_grad`` allocates ``main_grad``: a float32 copy out of the
+        pool bucket (or ``reduced`` itself when owned and float32), not zeros made earlier and
+        added into, so ``main_grad`` costs no memory through forward and backward until its
+        gradient exists. ``main_grad`` never aliases the pool bucket ``reduced`` lives in (the
+        bucket goes back to the pool right after). Later landings (micro-steps) accumulate: in
+        place, on Ascend with ``Tensor.add_`` (checked once that it takes effect), on the CPU
+        through host memory (:func:`gradpool.add_in_place`: there ``add_`` of a plain tensor
+        silently leaves it unchanged); a new tensor only where neither applies."""
+        main = self.main_grad_held
         if main is None:
-            self.sharded_param.main_grad = owned_copy(reduced, ms.float32)
-        elif self._add_in_place:
+            self.sharded_param.main_grad = reduced if owned and reduced.dtype == ms.float32 \
+                else owned_copy(reduced, ms.float32)
+            return
+        addend = reduced if reduced.dtype == ms.float32 else reduced.astype(ms.float32)
+        if self._add_in_place:
             check_in_place_add()
             main.add_(addend)
         elif not add_in_place(main, addend):
@@ -300,15 +321,19 @@ class MindSporeHSDPParamV2:
 
     def zero_grad(self) -> None:
         """Drop the gradient, and the shard's torch-style ``grad`` (``loss.backward()``
-        accumulates there); ``main_grad`` becomes zeros (main_grad mode), so a unit that does
-        not run in a step still gives the optimizer a gradient."""
+        accumulates there); ``main_grad`` holds no memory again until a gradient lands (main_grad
+        mode: read before that, it is zeros, made then, so a unit that does not run in a step
+        still gives the optimizer a gradient)."""
         self.clear_reduce_scatter_output()
         self._grad = None
         self.sharded_param._grad = None
-        self.sharded_param.main_grad = self.zero_main_grad()
+        self.sharded_param.main_grad = None
 
-    def zero_main_grad(self) -> Optional[ms.Tensor]:
-        return mint.zeros(self.local_shape, dtype=ms.float32) if self.use_main_grad else None
+    def zero_main_grad(self) -> ms.Tensor:
+        """float32 zeros of the local shard's shape: ``main_grad`` read before any landing (on the
+        real device, should it be read inside ``ms.DeviceCtx("meta")``)."""
+        with on_real_device():
+            return mint.zeros(self.local_shape, dtype=ms.float32)
 
     def _check_gradient_intact(self) -> None:
         if self._fingerprint is None or self._grad is None:

@@ -128,12 +128,15 @@ class UnitReduce:
 
     def _land_in_main_grad(self) -> None:
         """Add this unit's reduced shards into ``main_grad`` and give their output buckets back
-        at once (nothing else reads them: autograd gets zeros in main_grad mode)."""
+        at once (nothing else reads them: autograd gets zeros in main_grad mode). The first
+        landing since ``zero_grad`` allocates each ``main_grad`` (a copy out of the bucket, or
+        the scaled shard, a tensor of its own already)."""
         try:
             # every result waited before any main_grad changes (fused results are shared)
             with reduced_shards(self.params) as shards:
                 for param, shard in zip(self.params, shards):
-                    param.add_to_main_grad(self._scaled(shard))
+                    scaled = self._scaled(shard)
+                    param.add_to_main_grad(scaled, owned=scaled is not shard)
         finally:
             for param in self.params:
                 param.drop_gradient()
