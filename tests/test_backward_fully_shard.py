@@ -5,6 +5,7 @@
 A graph really abandoned (the loss raised after the model's forward) is still closed, and the
 next step records. Values against the unsharded model through ``value_and_grad``; every
 pattern under both entry points is in tests/distributed/pattern_cases.py."""
+import gc
 import logging
 import sys
 from pathlib import Path
@@ -46,6 +47,11 @@ def torch_style():
 def test_zero_grad_after_a_completed_backward_keeps_recording(mode, torch_style, caplog):
     want = _reference_grads(3)                  # value_and_grad: before torch-style is on
     model, _ = cases._build(cases.Run(mode=mode), 1)
+    # a step boundary first: the runtime is the process's, and a failure an earlier test of this
+    # process injected (or a dropped model's forward without backward, once collected) is
+    # evidence meant for that test's next zero_grad, not this one's
+    gc.collect()
+    model.zero_grad()
     torch_style()
     with caplog.at_level(logging.WARNING):
         for step in range(3):
