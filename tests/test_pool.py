@@ -695,6 +695,20 @@ def test_a_fence_without_wait_is_refused_and_the_lease_stays_live(fence):
 
 
 # -- Ctrl-C inside acquire and release, a monitoring thread ---------------------------------------
+def _uninterrupted_step_seconds() -> float:
+    """The median time of the interrupt test's step (fence, acquire, release) here, now."""
+    pool = BucketPool(alignment_bytes=4, poison_on_release=True)
+    times = []
+    for _ in range(15):
+        start = time.perf_counter()
+        fence = FaultInjectingCommunicator(SingleProcessCommunicator(), delay_seconds=0.001
+                                           ).all_reduce(ms.Tensor(np.zeros(1, np.float32)))
+        pool.acquire(2048, ms.float32).release(fence)
+        times.append(time.perf_counter() - start)
+    pool.wait_all()
+    return sorted(times)[len(times) // 2]
+
+
 def test_interrupts_inside_acquire_and_release_of_the_pool_itself():
     rng = random.Random(77)
     pool = BucketPool(alignment_bytes=4, poison_on_release=True, max_buckets_in_flight=2,
@@ -703,6 +717,7 @@ def test_interrupts_inside_acquire_and_release_of_the_pool_itself():
     interrupt = Interrupt()
     held = []
     completed = refused = 0
+    window = max(0.003, 2 * _uninterrupted_step_seconds())
     try:
         for step in range(400):
             # a fifth of the collectives fail: wait() or is_completed() raises (made before the
@@ -712,9 +727,9 @@ def test_interrupts_inside_acquire_and_release_of_the_pool_itself():
                 SingleProcessCommunicator(), delay_seconds=0.001, **fault).all_reduce(
                 ms.Tensor(np.zeros(1, np.float32)))
             try:
-                # up to 3 ms: a loaded 2-core machine took longer than 0.3 ms for every first
-                # acquire, and no step completed at all
-                interrupt.arm(rng.uniform(0.000005, 0.003))
+                # up to twice a step's time on this machine now (at least 3 ms): a fixed
+                # window let no step complete on a loaded machine
+                interrupt.arm(rng.uniform(0.000005, window))
                 # holder=: the lease is in held as part of the acquire. The oldest lease stays
                 # in held until its release commits: an interrupt between taking a lease out of
                 # the list and releasing it would lose it in this loop, not in the pool.
