@@ -32,8 +32,9 @@
     ``log_normal_``, ``cauchy_``, ``geometric_``: not Tensor methods). Logged once per op.
 
   Measured at 4 CPU ranks, 104 MiB float32 model, largest parameter 16 MiB
-  (tests/distributed/meshmeta_cases_4.py, peak resident memory): init peaks at 63.4 MiB per rank
-  block by block (local shards 26 + main_grad 26 + 11 transient), 132.1 MiB with full draws;
+  (tests/distributed/meshmeta_cases_4.py, peak resident memory): init peaks at 37.5 MiB per rank
+  block by block (local shards 26 + 11.5 transient; main_grad is made when a gradient lands);
+  with full draws it peaked at 132.1 MiB (main_grad's 26 MiB of zeros included then);
   the largest tensor an initialiser fills is one 1 MiB block. Constant initialisers write only
   the chunk. Padding rows of an uneven last shard stay zero.
 * :func:`refuse_meta_at_forward`: a unit whose parameters are still on meta when its forward
