@@ -36,23 +36,17 @@ _HELPERS = (ROOT / "gradpool" / "device.py",)
 CPU_ONLY_SITES = {
     # the host writer: a CPU pool's buckets written through host memory (writers.writer_for)
     ("gradpool/host/writer.py", "_write"),
-    ("gradpool/host/writer.py", "_write_identity"),
     ("gradpool/host/writer.py", "unpack_gathered"),
-    ("gradpool/host/writer.py", "accumulate"),
-    ("gradpool/host/writer.py", "pack"),
     ("gradpool/host/views.py", "host_view"),
     # the CPU communicator (CpuMcclCommunicator: MCCL has only jit AllReduce/AllGather)
     ("gradpool/comm.py", "_host_input"),
-    ("gradpool/comm.py", "_stage"),
-    ("gradpool/comm.py", "_collective"),
-    ("gradpool/comm.py", "__enter__"),
-    ("gradpool/comm.py", "__exit__"),
+    ("gradpool/comm.py", "__init__"),        # _HostOutput
+    ("gradpool/comm.py", "__exit__"),        # _HostOutput
+    ("gradpool/comm.py", "_run"),
+    # a timed pack's drain: the runtime times copies only off Ascend (runtime.build_runtime)
+    ("gradpool/reducer.py", "_copy_in"),
     # main_grad += shard through host memory (the CPU's Tensor.add_ does nothing in place)
     ("gradpool/writers.py", "add_in_place"),
-    # a flat alias of a CPU tensor through its host memory (pack.flat_view's CPU branch)
-    ("gradpool/pack.py", "flat_view"),
-    # gathered buckets copied out on the device path: waited before the bucket is recycled
-    ("hyper_parallel/platform/mindspore/fully_shard/param.py", "finish"),
 }
 
 

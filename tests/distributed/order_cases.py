@@ -180,31 +180,43 @@ def unit_skipped_on_one_rank_refused_in_strict_mode(ctx) -> dict:
 
 
 # -- host reads per step ----------------------------------------------------------------------------
+# (mode, comm_fusion, recompute, micro-steps): the default GradPoolConfig (no debug options)
 READ_CASES = {
-    "plain": pc.Run(mode="plain"),
-    "main_async": pc.Run(mode="main_async"),
-    "main_sync": pc.Run(mode="main_sync"),
-    "main_async_fused": pc.Run(mode="main_async", fused=True),
-    "plain_fused": pc.Run(mode="plain", fused=True),
-    "main_async_recompute": pc.Run(mode="main_async", recompute="after_nonreentrant"),
-    "main_async_micro_steps_without_sync": pc.Run(mode="main_async", micro="no_sync"),
-    "plain_micro_steps_without_sync": pc.Run(mode="plain", micro="no_sync"),
+    "plain": ("plain", False, "", ""),
+    "main_async": ("main_async", False, "", ""),
+    "main_sync": ("main_sync", False, "", ""),
+    "main_async_fused": ("main_async", True, "", ""),
+    "plain_fused": ("plain", True, "", ""),
+    "main_async_recompute": ("main_async", False, "after_nonreentrant", ""),
+    "plain_checkpoint_wrapper": ("plain", False, "wrapper", ""),
+    "main_async_micro_steps_without_sync": ("main_async", False, "", "no_sync"),
+    "plain_micro_steps_without_sync": ("plain", True, "", "no_sync"),
+    "main_async_micro_steps_not_last_backward": ("main_async", False, "", "not_last"),
 }
 
 
-def host_reads_per_step(ctx, run: pc.Run, steps: int = 2) -> dict:
-    """Train ``steps`` optimizer steps (after one warm-up) counting host reads by our code."""
-    model, _ = pc._build(run, ctx.world_size)     # pylint: disable=protected-access
+def host_reads_per_step(ctx, case: tuple, mesh=None, steps: int = 2) -> list:
+    """Train ``steps`` optimizer steps (after one warm-up), counting host reads by our code in
+    each (forward, backward and the end of backward: everything before the optimizer)."""
+    mode, fused, recompute, micro = case
+    config = GradPoolConfig(async_reduce=mode == "main_async")
+    model = _sharded(pc.Net(), mode, config, mesh=mesh, fused=fused)
+    if recompute == "after_nonreentrant":
+        model.a.recompute(use_reentrant=False)
+    elif recompute == "wrapper":
+        model.a = pc.checkpoint_wrapper(model.a)
     params = model.trainable_params()
     grad_fn = ms.value_and_grad(lambda x: pc.loss_of(model, x), None, params)
-    micro = pc.MICRO if run.micro else 1
+    count = pc.MICRO if micro else 1
     per_step = []
     for step in range(steps + 1):
         model.zero_grad()
         with count_host_reads() as reads:
-            for index in range(micro):
-                if run.micro == "no_sync":
-                    model.set_requires_gradient_sync(index == micro - 1)
+            for index in range(count):
+                if micro == "no_sync":
+                    model.set_requires_gradient_sync(index == count - 1)
+                elif micro == "not_last":
+                    model.set_is_last_backward(index == count - 1)
                 local, _ = pc._batch(step, ctx.rank, ctx.world_size, pc.ROWS)   # pylint: disable=protected-access
                 grad_fn(ms.Tensor(local))
         if step:
@@ -227,8 +239,8 @@ def host_reads_in_a_training_step(ctx) -> dict:
     one read of the order flag and the CPU-only host path (counted apart, listed in
     docs/design.md); the CPU-only ones are reported."""
     checks = {}
-    for label, run in READ_CASES.items():
-        per_step = host_reads_per_step(ctx, run)
+    for label, case in READ_CASES.items():
+        per_step = host_reads_per_step(ctx, case)
         checks.update(_read_checks(label, per_step))
         print(f"rank {ctx.rank} {label}: CPU-only host reads per step {per_step[-1]['cpu_only']}",
               file=sys.stderr)
