@@ -24,8 +24,12 @@ from pathlib import Path
 
 import mindspore as ms
 
-ROOT = Path(__file__).resolve().parent.parent
-OURS = (ROOT / "gradpool", ROOT / "hyper_parallel")
+import gradpool
+import hyper_parallel
+
+# our packages where they are imported from (the file names below are relative to ROOT)
+OURS = tuple(Path(package.__file__).resolve().parent for package in (gradpool, hyper_parallel))
+ROOT = OURS[0].parent
 _MINDSPORE = Path(ms.__file__).resolve().parent
 _HERE = Path(__file__).resolve()
 # gradpool's own synchronize helpers: a read is attributed to the code that called them

@@ -87,10 +87,17 @@ class SwapNet(pc.Net):
         return self.head(h)
 
 
-def _swap_case(ctx, mode: str, fused: bool, check_unit_order=True) -> dict:
+def _ranks(ranks: list) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
+def swap_case(ctx, mode: str, fused: bool, check_unit_order=True, mesh=None) -> dict:
+    """``a`` and ``b`` swapped on the last rank only: refused on every rank (with an HSDP
+    ``mesh``, the ranks of the other shard group too), naming what each rank ran; the parameters
+    untouched, ``main_grad`` dropped, and the next step exact against the unsharded model."""
     config = GradPoolConfig(poison_on_release=True, verify_gradients=True,
                             async_reduce=mode == "main_async", check_unit_order=check_unit_order)
-    model = _sharded(SwapNet(), mode, config, fused=fused)
+    model = _sharded(SwapNet(), mode, config, fused=fused, mesh=mesh)
     ref = SwapNet()
     params = model.trainable_params()
     grad_fn = ms.value_and_grad(lambda x: pc.loss_of(model, x), None, params)
@@ -102,7 +109,7 @@ def _swap_case(ctx, mode: str, fused: bool, check_unit_order=True) -> dict:
     model.swap = ctx.rank == ctx.world_size - 1
     checks["swapped on the last rank: refused on every rank"] = raises(
         UnsupportedPatternError, lambda: grad_fn(ms.Tensor(local)), "different order",
-        "rank 0 at the all-gather of unit 'a' (Lin)",
+        f"{_ranks(list(range(ctx.world_size - 1)))} at the all-gather of unit 'a' (Lin)",
         f"rank {ctx.world_size - 1} at the all-gather of unit 'b' (Lin)")
     model.swap = False
     checks["parameters untouched"] = equal(
@@ -126,11 +133,11 @@ def _swap_case(ctx, mode: str, fused: bool, check_unit_order=True) -> dict:
 
 for _mode in pc.MODES:
     suite.add(f"units_swapped_on_one_rank_refused_{_mode}",
-              lambda ctx, mode=_mode: _swap_case(ctx, mode, fused=False))
+              lambda ctx, mode=_mode: swap_case(ctx, mode, fused=False))
 suite.add("units_swapped_on_one_rank_refused_fused",
-          lambda ctx: _swap_case(ctx, "main_async", fused=True))
+          lambda ctx: swap_case(ctx, "main_async", fused=True))
 suite.add("units_swapped_on_one_rank_refused_strict",
-          lambda ctx: _swap_case(ctx, "main_async", fused=False, check_unit_order="strict"))
+          lambda ctx: swap_case(ctx, "main_async", fused=False, check_unit_order="strict"))
 
 
 @suite.case
@@ -224,7 +231,7 @@ def host_reads_per_step(ctx, case: tuple, mesh=None, steps: int = 2) -> list:
     return per_step
 
 
-def _read_checks(label: str, per_step: list) -> dict:
+def read_checks(label: str, per_step: list) -> dict:
     checks = {}
     for step, summary in enumerate(per_step):
         checks[f"{label} step {step}: device-independent host reads"] = equal(
@@ -241,7 +248,7 @@ def host_reads_in_a_training_step(ctx) -> dict:
     checks = {}
     for label, case in READ_CASES.items():
         per_step = host_reads_per_step(ctx, case)
-        checks.update(_read_checks(label, per_step))
+        checks.update(read_checks(label, per_step))
         print(f"rank {ctx.rank} {label}: CPU-only host reads per step {per_step[-1]['cpu_only']}",
               file=sys.stderr)
     return checks
