@@ -169,6 +169,33 @@ def ranks_differ_only_in_the_kind_of_collective(ctx) -> dict:
     return checks
 
 
+def gather_carries_another_units_tag(ctx, mesh=None) -> dict:
+    """On the last rank unit ``a``'s all-gathers carry unit ``b``'s tag, its reduce its own:
+    only the gathers disagree (on an HSDP ``mesh`` only inside the last shard group, whose
+    mismatch reaches the other group through the flag slot of the reduces and the replicate
+    all-reduce). Refused on every rank, naming the all-gathers; the next step runs."""
+    config = GradPoolConfig(async_reduce=True)
+    model = _sharded(pc.Net(), "main_async", config, mesh=mesh)
+    grad_fn = ms.value_and_grad(lambda x: pc.loss_of(model, x), None, model.trainable_params())
+    local, _ = pc._batch(0, ctx.rank, ctx.world_size, pc.ROWS)   # pylint: disable=protected-access
+    unit, other = model.a._hsdp_state, model.b._hsdp_state   # pylint: disable=protected-access
+    original = unit.memory._order_tag                        # pylint: disable=protected-access
+    if ctx.rank == ctx.world_size - 1:
+        unit.memory._order_tag = other.order_tag                 # pylint: disable=protected-access
+    checks = {"refused, naming the all-gathers": raises(
+        UnsupportedPatternError, lambda: grad_fn(ms.Tensor(local)),
+        f"{_ranks(list(range(ctx.world_size - 1)))} at the all-gather of unit 'a' (Lin)",
+        f"rank {ctx.world_size - 1} at the all-gather of unit 'b' (Lin)")}
+    unit.memory._order_tag = original                        # pylint: disable=protected-access
+    model.zero_grad()
+    grad_fn(ms.Tensor(local))
+    checks["next step: nothing refused"] = equal(RUNTIME.order_flag.pending, False)
+    return checks
+
+
+suite.add("gather_carries_another_units_tag", gather_carries_another_units_tag)
+
+
 @suite.case
 def unit_skipped_on_one_rank_refused_in_strict_mode(ctx) -> dict:
     """A unit skipped on one rank only (the collective counts differ: the default check cannot

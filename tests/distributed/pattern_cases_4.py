@@ -53,6 +53,10 @@ for _mode in MODES:
               lambda ctx, mode=_mode: order_cases.swap_case(ctx, mode, False, mesh=_hsdp_mesh()))
 
 
+suite.add("hsdp_gather_tag_differs_in_one_shard_group_refused",
+          lambda ctx: order_cases.gather_carries_another_units_tag(ctx, mesh=_hsdp_mesh()))
+
+
 def hsdp_host_reads_in_a_training_step(ctx) -> dict:
     """order_cases.host_reads_in_a_training_step on the HSDP (2, 2) mesh."""
     checks = {}
