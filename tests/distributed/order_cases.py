@@ -281,6 +281,44 @@ def host_reads_in_a_training_step(ctx) -> dict:
     return checks
 
 
+def ep_host_reads_per_step(ctx, mode: str, steps: int = 2) -> list:
+    """host_reads_per_step for the tiny DeepSeek-V3 with expert parallelism 2 (each layer's
+    experts a unit on their EDP sub-mesh, all-gather dispatcher), as ``gradpool train`` builds
+    it."""
+    from gradpool.app.config import from_dict
+    from gradpool.app.model import make_batch_np, next_token_loss
+    from gradpool.app.train import build_sharded_model
+    main_grad = mode != "plain"
+    cfg = from_dict({}, [
+        "model.expert_hidden=23", "model.batch_size=2", "fully_shard.reduce_dtype=float32",
+        f"launch.ranks={ctx.world_size}", "model.expert_parallel=2", "model.num_experts=4",
+        "model.experts_per_token=2", "model.moe_dispatcher=all-gather",
+        f"fully_shard.apply_grad_on_fp32_main_grad={str(main_grad).lower()}",
+        f"gradpool.async_reduce={str(mode == 'main_async').lower()}"])
+    model = build_sharded_model(cfg)
+    grad_fn = ms.value_and_grad(lambda t: next_token_loss(model, t), None,
+                                model.trainable_params())
+    per_step = []
+    for step in range(steps + 1):
+        batch = ms.Tensor(make_batch_np(cfg.model, step, ctx.rank, ctx.world_size,
+                                        seed=cfg.train.seed))
+        model.zero_grad()
+        with count_host_reads() as reads:
+            grad_fn(batch)
+        if step:
+            per_step.append(reads.summary())
+    return per_step
+
+
+@suite.case
+def ep2_host_reads_in_a_training_step(ctx) -> dict:
+    """host_reads_in_a_training_step with expert parallelism 2, plain and main_grad."""
+    checks = {}
+    for mode in ("plain", "main_async"):
+        checks.update(read_checks(f"ep2 {mode}", ep_host_reads_per_step(ctx, mode)))
+    return checks
+
+
 if __name__ == "__main__":
     ms.set_device("CPU")
     suite.main()
