@@ -112,11 +112,12 @@ class FullyShardRuntime:
         return f"{where} ({_user_class_name(unit.modules[0])})"
 
     # -- the unit-order check's one host read per step --------------------------------------------
-    def check_unit_order(self) -> None:
+    def check_unit_order(self, units) -> None:
         """The end of a backward pass that reduced: read the mismatch flag (the one host read of
         the check, after the reduces have landed, before any optimizer update); on a mismatch,
-        every unit's gradients are dropped and :class:`UnsupportedPatternError` names what each
-        rank ran (the ranks exchange their recorded tags, on this path only)."""
+        the gradients of ``units`` (those of the pass) are dropped and
+        :class:`UnsupportedPatternError` names what each rank ran (the ranks exchange their
+        recorded tags, on this path only)."""
         flag = self.order_flag
         if not flag.pending:
             return
@@ -127,7 +128,7 @@ class FullyShardRuntime:
             message = flag.describe_failure(self.world_comm, self.describe_unit)
         finally:
             flag.clear()
-            for unit in self.live_units():
+            for unit in units:
                 unit.reduce_path.zero_grad()
         raise UnsupportedPatternError(message)
 
@@ -237,7 +238,7 @@ class FullyShardRuntime:
             if last:
                 self.abandon_prefetches()
                 self.finish_async_reduces()
-                self.check_unit_order()
+                self.check_unit_order(units)
         finally:
             self._drop_shared_zeros_from_grads(units)
             for unit in self.live_units():
