@@ -332,7 +332,8 @@ class GradReducer:
         plan = [(dtype, indices, layout(dtype, indices), None)
                 for dtype, indices in self._groups(grads)]
         if tag is not None and plan:
-            smallest = min(range(len(plan)), key=lambda k: plan[k][2].total_numel)
+            smallest = min(range(len(plan)),
+                           key=lambda k: (plan[k][2].total_numel, plan[k][2].data_numel))
             dtype, indices, _, _ = plan[smallest]
             plan[smallest] = (dtype, indices, layout(dtype, indices, tag.numel), tag)
         return plan
