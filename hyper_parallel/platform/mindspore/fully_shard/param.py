@@ -27,9 +27,8 @@ from mindspore import Parameter, mint
 
 from gradpool import (GradientIntegrityError, GradSlot, InvalidArgumentError, ReduceResult,
                       ReduceScatterLayout, add_in_place, check_in_place_add, check_reduce_op,
-                      pack_bucket, synchronize, device_target, unpack_gathered, unshard,
-                      writable_view)
-from gradpool.pack import row_tails, write_row_tails
+                      pack_bucket, row_tails, synchronize, device_target, unpack_gathered,
+                      unshard, writable_view, write_row_tails)
 from hyper_parallel.platform.mindspore.fully_shard.meta_init import (install_sharded_init, is_meta,
                                                                       meta_shard)
 

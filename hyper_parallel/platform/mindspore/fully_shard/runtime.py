@@ -109,7 +109,7 @@ class FullyShardRuntime:
         unit = match[-1]
         path = self.path_of(unit)
         where = repr(path) if path else "the root"
-        return f"{where} ({_user_class_name(unit.modules[0])})"
+        return f"{where} ({user_class_name(unit.modules[0])})"
 
     # -- the unit-order check's one host read per step --------------------------------------------
     def check_unit_order(self, units) -> None:
@@ -369,7 +369,7 @@ def alive_units(refs) -> list:
     return [unit for unit in (ref() for ref in refs) if unit is not None]
 
 
-def _user_class_name(module) -> str:
+def user_class_name(module) -> str:
     """The class the user wrote, not the ``HSDP<name>`` one fully_shard extends it into."""
     mro = type(module).__mro__
     if len(mro) > 2 and mro[0].__name__ == f"HSDP{mro[2].__name__}":

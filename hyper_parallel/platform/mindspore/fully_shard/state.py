@@ -47,7 +47,7 @@ from hyper_parallel.platform.mindspore.fully_shard.order import tag_of, unit_ide
 from hyper_parallel.platform.mindspore.fully_shard.order_flag import UnitTag
 from hyper_parallel.platform.mindspore.fully_shard.param import MindSporeHSDPParamV2
 from hyper_parallel.platform.mindspore.fully_shard.runtime import (RUNTIME, FullyShardRuntime,
-                                                                    _user_class_name, alive_units)
+                                                                    user_class_name, alive_units)
 from hyper_parallel.platform.mindspore.fully_shard.settings import UnitSettings
 from hyper_parallel.platform.mindspore.fully_shard.unit_memory import UnitMemory
 from hyper_parallel.platform.mindspore.fully_shard.unit_reduce import (AsyncReduceStats,
@@ -140,7 +140,7 @@ class HSDPUnitState:
         unit of its model exists)."""
         if self._identity is None:
             module = self.modules[0]
-            self._identity = unit_identity(self.runtime.path_of(self), _user_class_name(module),
+            self._identity = unit_identity(self.runtime.path_of(self), user_class_name(module),
                                            [(p.name, p.orig_shape) for p in self.params])
         return self._identity
 
