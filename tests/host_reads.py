@@ -12,6 +12,8 @@ counted twice). ``reads.summary()`` sorts them:
 * ``cpu_only``: the sites of :data:`CPU_ONLY_SITES`, each behind a device-target test (the CPU
   host path: free under the CPU's blocking launch, never run on Ascend; docs/design.md lists
   them with why);
+* ``model``: the sites of :data:`MODEL_SITES`, the training app's own model (not the library):
+  its sparse MoE stand-in picks each expert's rows on the host;
 * ``device_independent``: everything else, ``{"file:function": count}``: must be empty.
 """
 from __future__ import annotations
@@ -41,12 +43,15 @@ CPU_ONLY_SITES = {
     # the host writer: a CPU pool's buckets written through host memory (writers.writer_for)
     ("gradpool/host/writer.py", "_write"),
     ("gradpool/host/writer.py", "unpack_gathered"),
+    ("gradpool/host/writer.py", "pack"),
     ("gradpool/host/views.py", "host_view"),
     # the CPU communicator (CpuMcclCommunicator: MCCL has only jit AllReduce/AllGather)
     ("gradpool/comm.py", "_host_input"),
     ("gradpool/comm.py", "__init__"),        # _HostOutput
     ("gradpool/comm.py", "__exit__"),        # _HostOutput
     ("gradpool/comm.py", "_run"),
+    # a one-rank group's copy through host memory (SingleProcessCommunicator, CPU tensors only)
+    ("gradpool/comm.py", "_host_copy"),
     # a timed pack's drain: the runtime times copies only off Ascend (runtime.build_runtime)
     ("gradpool/reducer.py", "_copy_in"),
     # main_grad += shard through host memory (the CPU's Tensor.add_ does nothing in place)
@@ -54,20 +59,28 @@ CPU_ONLY_SITES = {
 }
 
 
+# The training app's model, not the library: gradpool/app/moe.py's sparse experts read the
+# routing weights on the host to pick each expert's rows (one read per MoE layer and forward).
+MODEL_SITES = {("gradpool/app/moe.py", "construct")}
+
+
 class HostReads:
     def __init__(self):
         self.calls: collections.Counter = collections.Counter()
 
     def summary(self) -> dict:
-        flag, cpu, other = 0, {}, {}
+        flag, cpu, model, other = 0, {}, {}, {}
         for (where, function, entry), count in self.calls.items():
+            name = f"{where}:{function} ({entry})"
             if function == "read_order_flag":
                 flag += count
             elif (where, function) in CPU_ONLY_SITES:
-                cpu[f"{where}:{function} ({entry})"] = count
+                cpu[name] = count
+            elif (where, function) in MODEL_SITES:
+                model[name] = count
             else:
-                other[f"{where}:{function} ({entry})"] = count
-        return {"order_flag": flag, "cpu_only": cpu, "device_independent": other}
+                other[name] = count
+        return {"order_flag": flag, "cpu_only": cpu, "model": model, "device_independent": other}
 
 
 def _caller() -> tuple[str, str] | None:
