@@ -119,8 +119,9 @@ class FullyShardRuntime:
         :class:`UnsupportedPatternError` names what each rank ran (the ranks exchange their
         recorded tags, on this path only)."""
         flag = self.order_flag
-        if not flag.pending:
-            return
+        reducing = [u for u in units if u.params]
+        if not flag.pending or (reducing and all(u.reduce_path.keeps_partials for u in reducing)):
+            return      # HSDP micro-steps without the replicate all-reduce: read at the last
         if not flag.read():
             flag.clear()
             return

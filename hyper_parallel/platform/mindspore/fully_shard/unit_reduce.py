@@ -143,6 +143,11 @@ class UnitReduce:
     def _holds_partials(self) -> bool:
         return self.reducer.replicate_comm is not None and not self.settings.requires_all_reduce
 
+    @property
+    def keeps_partials(self) -> bool:
+        """HSDP with ``set_requires_all_reduce(False)``: the backward keeps partial sums."""
+        return self._holds_partials()
+
     def _keep_partials(self) -> tuple:
         """This backward was reduce-scattered in the shard group only: each shard is a replica's
         partial sum, kept (float32, outside the pool) until a backward with the all-reduce adds
