@@ -227,6 +227,11 @@ READ_CASES = {
     "plain_micro_steps_without_sync": ("plain", True, "", "no_sync"),
     "main_async_micro_steps_not_last_backward": ("main_async", False, "", "not_last"),
 }
+# HSDP also keeps partial sums between micro-steps without the replicate all-reduce
+HSDP_READ_CASES = {**READ_CASES,
+                   "main_async_micro_steps_without_all_reduce": ("main_async", False, "",
+                                                                 "no_all_reduce"),
+                   "plain_micro_steps_without_all_reduce": ("plain", False, "", "no_all_reduce")}
 
 
 def host_reads_per_step(ctx, case: tuple, mesh=None, steps: int = 2) -> list:
@@ -251,6 +256,8 @@ def host_reads_per_step(ctx, case: tuple, mesh=None, steps: int = 2) -> list:
                     model.set_requires_gradient_sync(index == count - 1)
                 elif micro == "not_last":
                     model.set_is_last_backward(index == count - 1)
+                elif micro == "no_all_reduce":
+                    model.set_requires_all_reduce(index == count - 1)
                 local, _ = pc._batch(step, ctx.rank, ctx.world_size, pc.ROWS)   # pylint: disable=protected-access
                 grad_fn(ms.Tensor(local))
         if step:

@@ -60,7 +60,7 @@ suite.add("hsdp_gather_tag_differs_in_one_shard_group_refused",
 def hsdp_host_reads_in_a_training_step(ctx) -> dict:
     """order_cases.host_reads_in_a_training_step on the HSDP (2, 2) mesh."""
     checks = {}
-    for label, case in order_cases.READ_CASES.items():
+    for label, case in order_cases.HSDP_READ_CASES.items():
         checks.update(order_cases.read_checks(
             label, order_cases.host_reads_per_step(ctx, case, mesh=_hsdp_mesh())))
     return checks
