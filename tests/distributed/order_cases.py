@@ -1,6 +1,6 @@
 """The unit-order check carried inside the units' own collectives (hyper_parallel/platform/
 mindspore/fully_shard/order.py, order_flag.py), on 2 msrun ranks (tests/test_unit_order_
-distributed.py; the 4-rank HSDP cases are in order_cases_4.py).
+distributed.py; the 4-rank HSDP cases, built from these, are in pattern_cases_4.py).
 
 * a rank that built and trained another sharded model first (its own 1-rank mesh) still trains
   the job's model exactly, against the unsharded model (unit identity is not a counter);
@@ -8,9 +8,11 @@ distributed.py; the 4-rank HSDP cases are in order_cases_4.py).
   refused at the end of the backward on every rank, naming what each rank ran, the parameters
   untouched and the next step exact; a reduce carrying another kind's tag names the collective;
 * the strict mode refuses a unit skipped on one rank before the collective that would hang;
-* host reads: every call of ``asnumpy``, ``item``, ``tolist``, ``float(tensor)``, a device
-  synchronize or a launch-queue drain made by gradpool or hyper_parallel code during a training
-  step, per case and step: none but the CPU-only host path and the one read of the order flag.
+* host reads (tests/host_reads.py): every call of ``asnumpy``, ``item``, ``tolist``,
+  ``float(tensor)``, a device synchronize or a launch-queue drain made by gradpool or
+  hyper_parallel code during a training step (forward, backward, the end of backward), per case
+  and step: none but the CPU-only host path and the one read of the order flag per optimizer
+  step (plain, main_grad, fused, recompute, micro-steps; expert parallelism 2).
 
 The model and its reference are tests/distributed/pattern_cases.py's (every dim odd: uneven
 shards at 2 ranks).
