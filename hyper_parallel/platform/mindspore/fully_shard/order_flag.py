@@ -62,8 +62,10 @@ class OrderFlag:
         """``sums``: a reduced tail (sums or averages over the ranks of what each sent). A pair
         whose two sums are both nonzero, or a nonzero flag slot, is a mismatch."""
         sums = sums.astype(ms.float32) if sums.dtype != ms.float32 else sums
+        # slices only: an int index failed in MindSpore 2.10's getitem after a discarded grad
+        # graph ("Only support integers ... but got 48 with type <class 'int'>")
         pairs = sums[:FLAG_SLOT].reshape(TAG_BITS, 2)
-        both = ops.minimum(pairs[:, 0], pairs[:, 1]).sum() + sums[FLAG_SLOT]
+        both = ops.minimum(pairs[:, 0:1], pairs[:, 1:2]).sum() + sums[FLAG_SLOT:].sum()
         self._raise_to(both)
 
     def check_gathered(self, rows: ms.Tensor, own: ms.Tensor) -> None:
@@ -71,7 +73,7 @@ class OrderFlag:
         values this rank sent (float32). A row whose pairs differ from ``own``, or a nonzero flag
         slot, is a mismatch."""
         rows = rows.astype(ms.float32) if rows.dtype != ms.float32 else rows
-        differ = mint.abs(rows[:, :FLAG_SLOT] - own[:FLAG_SLOT]).sum() + rows[:, FLAG_SLOT].sum()
+        differ = mint.abs(rows[:, :FLAG_SLOT] - own[:FLAG_SLOT]).sum() + rows[:, FLAG_SLOT:].sum()
         self._raise_to(differ)
 
     def _raise_to(self, evidence: ms.Tensor) -> None:
