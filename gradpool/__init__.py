@@ -36,13 +36,14 @@ if TYPE_CHECKING:
     from gradpool.exchange import all_sum, all_sum_ints, exchange_ints, exchange_values
     from gradpool.gathered import GatheredParam, GatheredStats
     from gradpool.layout import GradSlot, ReduceScatterLayout, fusion_groups
-    from gradpool.pack import Written, chunk_rows, flat_view, local_shard, shard_views, unshard
+    from gradpool.pack import (Written, chunk_rows, flat_view, local_shard, row_tails,
+                               shard_views, unshard, write_row_tails)
     from gradpool.writers import accumulate as accumulate_bucket
     from gradpool.writers import add_in_place, check_in_place_add
     from gradpool.writers import pack as pack_bucket
     from gradpool.writers import unpack_gathered
     from gradpool.pool import BucketPool, Fence, Lease, PoolStats, as_fence, fence_done
-    from gradpool.reducer import GradReducer, PackedBucket, ReducerConfig, ReduceResult
+    from gradpool.reducer import GradReducer, PackedBucket, ReducerConfig, ReduceResult, RowTag
     from gradpool.runtime import (GradPoolConfig, Runtime, all_runtimes, build_runtime,
                                   default_pool_config, install_runtime, reset_runtimes,
                                   runtime_for, set_default_pool_config)

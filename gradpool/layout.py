@@ -6,6 +6,10 @@ bucket leaves rank ``r`` with row ``r``: its contiguous shard of every gradient.
 the shard dim is zero-padded up to ``W * chunk_size`` (``chunk_size = ceil(d / W)``). Each chunk
 starts at a multiple of ``alignment`` elements inside its row, whose length is a multiple of it
 too. A chunk along a shard dim other than 0 is stored contiguously, of shape ``chunk_shape``.
+
+A layout may reserve ``tail_numel`` elements at the end of every row, after the last chunk and
+before the row's alignment padding, for its caller's own values (``fully_shard``'s unit-order tag
+rides there); the writers zero them like any gap, and no shard view covers them.
 """
 from __future__ import annotations
 
@@ -86,12 +90,17 @@ class ReduceScatterLayout:
     alignment: int
     slots: tuple[GradSlot, ...]
     row_numel: int
+    tail_numel: int = 0
+    tail_offset: int = 0     # where the reserved tail starts inside each row
 
     @classmethod
     def build(cls, shapes: Sequence[Sequence[int]], world_size: int, alignment: int = 1,
-              shard_dims: Sequence[int] | None = None) -> "ReduceScatterLayout":
+              shard_dims: Sequence[int] | None = None,
+              tail_numel: int = 0) -> "ReduceScatterLayout":
+        """``tail_numel``: elements reserved at the end of every row (see the module's doc)."""
         check_int("world_size", world_size, 1)
         check_int("alignment", alignment, 1)   # in elements
+        check_int("tail_numel", tail_numel, 0)
         shapes = [tuple(s) for s in shapes]
         if not shapes:
             raise InvalidArgumentError("a layout needs at least one gradient shape, got an empty list")
@@ -119,7 +128,8 @@ class ReduceScatterLayout:
             slots.append(slot)
             cursor += slot.chunk_numel
         return cls(world_size=world_size, alignment=alignment, slots=tuple(slots),
-                   row_numel=round_up(cursor, alignment))
+                   row_numel=round_up(cursor + tail_numel, alignment), tail_numel=tail_numel,
+                   tail_offset=cursor)
 
     # Cached on the (frozen) instance: every pack asks, and computing them sums over the slots.
     @functools.cached_property

@@ -64,6 +64,39 @@ def shard_views(output: ms.Tensor, layout: ReduceScatterLayout) -> list[ms.Tenso
             if slot is not None]
 
 
+def write_row_tails(tensor: ms.Tensor, layout: ReduceScatterLayout, values: ms.Tensor,
+                    allocation: ms.Tensor | None = None) -> None:
+    """Every row's reserved tail of the bucket ``tensor`` (laid out as ``layout``) := ``values``
+    (``layout.tail_numel`` elements of the bucket's dtype), by slice-assignment: queued device
+    writes, no host read. ``allocation``: the flat memory ``tensor`` starts at (a lease's), which
+    the CPU writes row by row, as the device pack does (:class:`_Grid`)."""
+    if tuple(values.shape) != (layout.tail_numel,):
+        raise LayoutMismatchError(f"tail values have shape {tuple(values.shape)}; the layout "
+                                  f"reserves ({layout.tail_numel},) per row")
+    by_rows = _writes_by_rows()
+    grid = _Grid.over(allocation if by_rows and allocation is not None else tensor,
+                      layout.world_size, layout.row_numel, by_rows)
+    source = grid.writable(values.astype(tensor.dtype) if values.dtype != tensor.dtype else values)
+    target = grid.flat if source.dtype != ms.int16 else grid._as_bits()   # pylint: disable=protected-access
+    start, stop = layout.tail_offset, layout.tail_offset + layout.tail_numel
+    if not by_rows:
+        target.view(grid.shape)[:, start:stop] = source      # broadcast over the rows
+        return
+    for r in range(layout.world_size):
+        target[r * layout.row_numel + start:r * layout.row_numel + stop] = source
+
+
+def row_tail(row: ms.Tensor, layout: ReduceScatterLayout) -> ms.Tensor:
+    """The reserved tail of one row (a reduce-scatter's output, an all-reduced bucket)."""
+    return row[layout.tail_offset:layout.tail_offset + layout.tail_numel]
+
+
+def row_tails(bucket: ms.Tensor, layout: ReduceScatterLayout) -> ms.Tensor:
+    """Every row's reserved tail of an all-gathered ``[W, row]`` bucket, as ``[W, tail]``."""
+    grid = bucket.view(layout.world_size, layout.row_numel)
+    return grid[:, layout.tail_offset:layout.tail_offset + layout.tail_numel]
+
+
 def flat_view(tensor: ms.Tensor) -> ms.Tensor:
     """``tensor`` as 1-D over the same memory (itself when 1-D; made contiguous first). A CPU
     tensor spanning its storage is aliased through its host memory, not a view op: PyNative queues
@@ -285,6 +318,14 @@ class _Grid:
         self.flat = lease.allocation if by_rows else lease.tensor
         self.shape = (world, row)
         self._bits = None            # the bucket as int16, made once (a dtype view is an op)
+
+    @classmethod
+    def over(cls, flat: ms.Tensor, world: int, row: int, by_rows: bool) -> "_Grid":
+        """A grid over the flat tensor ``flat`` itself (not a lease)."""
+        grid = cls.__new__(cls)
+        grid.row, grid.by_rows, grid.flat, grid.shape, grid._bits = \
+            row, by_rows, flat, (world, row), None
+        return grid
 
     def _as_bits(self) -> ms.Tensor:
         if self._bits is None:

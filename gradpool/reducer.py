@@ -18,13 +18,19 @@ is consumed).
 A collective that fails (its handle's ``wait()`` or ``is_completed()`` raises) is raised from
 ``result.wait()`` as :class:`~gradpool.errors.CollectiveError` naming it, and the pool
 quarantines its input and output buckets: a failed collective may still be writing them.
+
+**Row tags** (``tag=``, a :class:`RowTag`): one bucket of a call (its smallest) reserves
+``tag.numel`` elements at the end of every row; at launch every row's tail gets
+``tag.values(dtype)`` (queued device writes), and the first ``wait()`` hands the reduced tail
+(this rank's row of the sums, after the replicate all-reduce for HSDP) to ``tag.check_reduced``,
+on the device. ``fully_shard`` carries its unit-order tag this way: no collective of its own.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import mindspore as ms
 
@@ -61,15 +67,30 @@ class ReducerConfig:
         check_positive_number("ReducerConfig.bucket_cap_mib", self.bucket_cap_mib)
 
 
+class RowTag(Protocol):
+    """Values a caller sends in every row's reserved tail of one bucket, and what it does with
+    the reduced tail (see the module's doc)."""
+
+    numel: int
+
+    def values(self, dtype) -> ms.Tensor:
+        """The ``numel`` values this rank writes into each row's tail, in ``dtype``."""
+
+    def check_reduced(self, tail: ms.Tensor) -> None:
+        """Take this rank's reduced tail (queued device ops only: no host read)."""
+
+
 @dataclass
 class PackedBucket:
-    """Gradients ``indices`` packed per ``layout`` into ``lease`` (or borrowed, zero-copy)."""
+    """Gradients ``indices`` packed per ``layout`` into ``lease`` (or borrowed, zero-copy);
+    ``tag``: what its rows' reserved tails carry (None: no tail)."""
 
     indices: list[int]
     layout: ReduceScatterLayout
     dtype: Any
     lease: Optional[Lease] = None
     borrowed: Optional[ms.Tensor] = None
+    tag: Optional[RowTag] = None
 
     @property
     def input_tensor(self) -> ms.Tensor:
@@ -116,6 +137,9 @@ class ReduceResult:
                 views = packing.shard_views(item.output.tensor, item.bucket.layout)
                 for index, view in zip(item.bucket.indices, views):
                     shards[index] = view
+                if item.bucket.tag is not None:
+                    item.bucket.tag.check_reduced(
+                        packing.row_tail(item.output.tensor, item.bucket.layout))
             for item in self.launched:
                 item.bucket.borrowed = None          # the borrow ends with the collective
             self._shards = shards
@@ -291,28 +315,41 @@ class GradReducer:
                              self.config.bucket_cap_mib * 2 ** 20, self.config.comm_fusion)
 
     def _plan(self, grads: Sequence[ms.Tensor], shard_dims: Optional[Sequence[int]],
-              world_size: Optional[int]) -> list[tuple[Any, list[int], ReduceScatterLayout]]:
-        """``(dtype, gradient indices, layout)`` per bucket, all validated before any lease."""
+              world_size: Optional[int], tag: Optional[RowTag] = None
+              ) -> list[tuple[Any, list[int], ReduceScatterLayout, Optional[RowTag]]]:
+        """``(dtype, gradient indices, layout, tag)`` per bucket, all validated before any lease;
+        ``tag`` goes to the smallest bucket (the others keep their layouts, zero-copy too)."""
         _check_tensors(grads)
         world = self.comm.world_size if world_size is None else world_size
         dims = list(shard_dims) if shard_dims is not None else [0] * len(grads)
         if len(dims) != len(grads):
             raise InvalidArgumentError(
                 f"shard_dims has {len(dims)} entries for {len(grads)} gradients; give one each")
-        return [(dtype, indices, ReduceScatterLayout.build(
-                    [tuple(grads[i].shape) for i in indices], world,
-                    self.pool.alignment_elements(dtype), [dims[i] for i in indices]))
+        def layout(dtype, indices, tail: int = 0) -> ReduceScatterLayout:
+            return ReduceScatterLayout.build(
+                [tuple(grads[i].shape) for i in indices], world,
+                self.pool.alignment_elements(dtype), [dims[i] for i in indices], tail)
+        plan = [(dtype, indices, layout(dtype, indices), None)
                 for dtype, indices in self._groups(grads)]
+        if tag is not None and plan:
+            smallest = min(range(len(plan)),
+                           key=lambda k: (plan[k][2].total_numel, plan[k][2].data_numel))
+            dtype, indices, _, _ = plan[smallest]
+            plan[smallest] = (dtype, indices, layout(dtype, indices, tag.numel), tag)
+        return plan
 
     # -- pack / accumulate / launch ---------------------------------------------------------------
     def pack(self, grads: Sequence[ms.Tensor], shard_dims: Optional[Sequence[int]] = None,
-             world_size: Optional[int] = None, allow_borrow: bool = True) -> list[PackedBucket]:
-        """Lease buckets and copy ``grads`` in (or borrow them, with zero-copy where allowed)."""
-        plan = self._plan(grads, shard_dims, world_size)
+             world_size: Optional[int] = None, allow_borrow: bool = True,
+             tag: Optional[RowTag] = None) -> list[PackedBucket]:
+        """Lease buckets and copy ``grads`` in (or borrow them, with zero-copy where allowed);
+        ``tag``: one bucket reserves row tails for it, filled when it is launched."""
+        plan = self._plan(grads, shard_dims, world_size, tag)
         buckets, taken = [], []
         try:
-            for dtype, indices, layout in plan:
-                buckets.append(self._pack_one(grads, dtype, indices, layout, allow_borrow, taken))
+            for dtype, indices, layout, bucket_tag in plan:
+                buckets.append(self._pack_one(grads, dtype, indices, layout, allow_borrow, taken,
+                                              bucket_tag))
         except BaseException:
             self.discard(buckets)
             self._settle(taken, [])
@@ -382,36 +419,40 @@ class GradReducer:
 
     # -- one-call forms -------------------------------------------------------------------------
     def reduce_scatter(self, grads: Sequence[ms.Tensor], shard_dims: Optional[Sequence[int]] = None,
-                       op: str = "avg", across_replicas: bool = True) -> ReduceResult:
+                       op: str = "avg", across_replicas: bool = True,
+                       tag: Optional[RowTag] = None) -> ReduceResult:
         """Reduce-scatter ``grads``; ``wait()`` gives this rank's shard of each, in order."""
-        return self._reduce(grads, shard_dims, None, op, False, across_replicas)
+        return self._reduce(grads, shard_dims, None, op, False, across_replicas, tag=tag)
 
     def all_reduce(self, grads: Sequence[ms.Tensor], op: str = "avg",
-                   across_replicas: bool = True) -> ReduceResult:
+                   across_replicas: bool = True, tag: Optional[RowTag] = None) -> ReduceResult:
         """All-reduce whole gradients (replicated parameters) in pool buckets."""
-        return self._reduce(grads, None, 1, op, True, across_replicas)
+        return self._reduce(grads, None, 1, op, True, across_replicas, tag=tag)
 
-    def all_reduce_replicas(self, grads: Sequence[ms.Tensor], op: str = "avg") -> ReduceResult:
+    def all_reduce_replicas(self, grads: Sequence[ms.Tensor], op: str = "avg",
+                            tag: Optional[RowTag] = None) -> ReduceResult:
         """HSDP: all-reduce already reduce-scattered shard gradients across the replicas only
         (in pool buckets): the second half of a reduce whose first half ran earlier."""
         if self.replicate_comm is None:
             raise InvalidArgumentError("all_reduce_replicas needs a replicate group of 2 or more "
                                        "ranks (GradReducer(replicate_comm=...))")
         return self._reduce(grads, None, 1, op, True, across_replicas=False,
-                            comm=self.replicate_comm)
+                            comm=self.replicate_comm, tag=tag)
 
     # -- internals ------------------------------------------------------------------------------
     def _reduce(self, grads, shard_dims, world_size, op: str, all_reduce: bool,
-                across_replicas: bool, comm: Optional[Communicator] = None) -> ReduceResult:
+                across_replicas: bool, comm: Optional[Communicator] = None,
+                tag: Optional[RowTag] = None) -> ReduceResult:
         """Pack and launch bucket by bucket: each input bucket is released (fenced) before the
         next one is packed, so a bucket whose collective has completed serves the next one."""
         check_reduce_op(op)
-        plan = self._plan(grads, shard_dims, world_size)
+        plan = self._plan(grads, shard_dims, world_size, tag)
         result = ReduceResult(count=len(grads))
         taken: list[Lease] = []      # every lease this call acquired, whatever happens next
         try:
-            for dtype, indices, layout in plan:
-                bucket = self._pack_one(grads, dtype, indices, layout, not all_reduce, taken)
+            for dtype, indices, layout, bucket_tag in plan:
+                bucket = self._pack_one(grads, dtype, indices, layout, not all_reduce, taken,
+                                        bucket_tag)
                 self._launch_one(result, bucket, op, all_reduce, across_replicas, taken, comm)
         except BaseException:
             self._abandon(result, taken)
@@ -439,14 +480,15 @@ class GradReducer:
             lease.release(fence)
 
     def _pack_one(self, grads, dtype, indices: list[int], layout: ReduceScatterLayout,
-                  allow_borrow: bool, taken: list[Lease]) -> PackedBucket:
+                  allow_borrow: bool, taken: list[Lease],
+                  tag: Optional[RowTag] = None) -> PackedBucket:
         members = [grads[i] for i in indices]
-        if allow_borrow and self._can_borrow(members, layout, dtype):
+        if allow_borrow and self._can_borrow(members, layout, dtype):   # never a tagged layout
             self.borrows += 1
             return PackedBucket(indices, layout, dtype, borrowed=packing.flat_view(members[0]))
         lease = self.pool.acquire(layout.total_numel, dtype, holder=taken)
         self._copy_in(self.writer.pack, lease, members, layout)
-        return PackedBucket(indices, layout, dtype, lease=lease)
+        return PackedBucket(indices, layout, dtype, lease=lease, tag=tag)
 
     def _launch_one(self, result: ReduceResult, bucket: PackedBucket, op: str,
                     all_reduce: bool, across_replicas: bool, taken: list[Lease],
@@ -455,6 +497,9 @@ class GradReducer:
         ``result`` at once so that whatever stops the caller knows it is in flight."""
         comm = comm if comm is not None else self.comm
         numel = bucket.layout.total_numel
+        if bucket.tag is not None:      # written last: a micro-step's accumulate adds no tail
+            packing.write_row_tails(bucket.lease.tensor, bucket.layout,
+                                    bucket.tag.values(bucket.dtype), bucket.lease.allocation)
         if all_reduce:
             handle = _Collective(comm.all_reduce(bucket.lease.tensor, op=op, async_op=True),
                                  _describe("all_reduce", bucket, numel, comm))

@@ -9,17 +9,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from gradpool.comm import (Communicator, SingleProcessCommunicator, communicator_for,
                            init_distributed)
 from gradpool.device import real_device_target
-from gradpool.errors import (InvalidArgumentError, check_bool, check_int,
+from gradpool.errors import (ArgumentTypeError, InvalidArgumentError, check_bool, check_int,
                              check_positive_number)
 from gradpool.pool import MAX_ALIGNMENT_BYTES, BucketPool
 from gradpool.reducer import GradReducer, ReducerConfig
 
 MIB = 1024 * 1024
+UNIT_ORDER_MODES = (True, False, "strict")
+
+
+def check_unit_order_mode(name: str, value) -> None:
+    """``check_unit_order`` is True, False or ``"strict"``."""
+    if isinstance(value, bool) or value == "strict":
+        return
+    raise ArgumentTypeError(f"{name} must be True, False or 'strict', got {value!r}; 'strict' "
+                            "agrees before every unit collective (for hunting a hang)")
 
 
 @dataclass(frozen=True)
@@ -33,9 +42,12 @@ class GradPoolConfig:
     ``verify_gradients``: checksum each gradient on arrival and after its reduce (debug).
     ``async_reduce``: in ``main_grad`` mode (``apply_grad_on_fp32_main_grad``) a unit's backward
     launches its reduce without waiting (False: it waits), results reaching ``main_grad`` at the
-    end of backward. ``check_unit_order``: before each collective of a ``fully_shard`` unit,
-    every rank agrees that it runs the same one (a 4-byte all-gather over the world), so a unit
-    run on some ranks only is a clear error, not a hang or mixed shards. ``main_grad_in_place``:
+    end of backward. ``check_unit_order``: every ``fully_shard`` unit collective carries a tag
+    naming its unit, compared on the device and read once at the end of each backward that
+    reduced, so units run in a different order on the ranks are an error naming them, not mixed
+    shards (no collective, no host read per unit); ``"strict"``: every rank agrees before each
+    unit collective instead (a world all-gather read on the host: for hunting a hang);
+    ``False``: no check. ``main_grad_in_place``:
     where the device adds in place (Ascend), ``main_grad += shard`` with ``Tensor.add_``, checked
     once per process to take effect (False: a new ``main_grad`` tensor per reduce)."""
 
@@ -47,13 +59,14 @@ class GradPoolConfig:
     max_cached_mib: Optional[float] = None
     verify_gradients: bool = False
     async_reduce: bool = True
-    check_unit_order: bool = True
+    check_unit_order: Union[bool, str] = True
     main_grad_in_place: bool = True
 
     def __post_init__(self) -> None:
         for name in ("zero_copy", "poison_on_release", "verify_gradients", "async_reduce",
-                     "check_unit_order", "main_grad_in_place"):
+                     "main_grad_in_place"):
             check_bool(f"GradPoolConfig.{name}", getattr(self, name))
+        check_unit_order_mode("GradPoolConfig.check_unit_order", self.check_unit_order)
         check_positive_number("GradPoolConfig.bucket_cap_mib", self.bucket_cap_mib)
         check_int("GradPoolConfig.max_buckets_in_flight", self.max_buckets_in_flight, 1,
                   nullable=True)

@@ -332,7 +332,7 @@ SIMPLE = {
     "gradpool.max_cached_mib": st.none() | pool_mib,
     "gradpool.verify_gradients": st.booleans(),
     "gradpool.async_reduce": st.booleans(),
-    "gradpool.check_unit_order": st.booleans(),
+    "gradpool.check_unit_order": st.booleans() | st.just("strict"),
     "gradpool.main_grad_in_place": st.booleans(),
     "model.vocab_size": st.integers(2, 100_000),
     "model.num_layers": st.integers(1, 64),

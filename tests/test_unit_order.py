@@ -1,87 +1,161 @@
-"""The unit-order agreement's tags and message (hyper_parallel/platform/mindspore/fully_shard/
-order.py); the agreement itself runs at 2 and 4 ranks in tests/distributed/pattern_cases*.py
-(a unit skipped on one rank only)."""
-from hypothesis import given, strategies as st
+"""The unit-order check's pieces in one process (hyper_parallel/platform/mindspore/fully_shard/
+order.py, order_flag.py): unit identity, tags, their encoding in bucket rows and the device
+comparison against NumPy sums, the message. The check itself runs on 2 and 4 msrun ranks in
+tests/distributed/order_cases.py and pattern_cases_4.py."""
+import ml_dtypes
+import mindspore as ms
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
 
-from hyper_parallel.platform.mindspore.fully_shard.order import (GATHER, REDUCE, UNIT_SLOTS,
+from gradpool import GradPoolConfig
+from hyper_parallel.platform.mindspore.fully_shard.order import (FLAG_SLOT, GATHER, IDENTITY_BITS,
+                                                                 REDUCE, TAG_BITS, TAG_NUMEL,
                                                                  disagreement_message, tag_of,
-                                                                 unit_and_kind)
+                                                                 tag_slots, unit_and_kind,
+                                                                 unit_identity)
+from hyper_parallel.platform.mindspore.fully_shard.order_flag import OrderFlag, UnitTag
+
+identities = st.integers(0, (1 << IDENTITY_BITS) - 1)
 
 
-@given(st.integers(0, UNIT_SLOTS - 1), st.sampled_from([GATHER, REDUCE]))
-def test_a_tag_names_its_unit_and_collective_exactly_in_float32(unit, kind):
-    tag = tag_of(unit, kind)
-    assert tag > 0 and float(int(float(tag))) == tag and int(float(tag)) == tag
-    assert tag < 1 << 24                 # every such integer is exact in float32
-    assert unit_and_kind(tag) == (unit, kind)
+@given(identities, st.sampled_from([GATHER, REDUCE]))
+def test_a_tag_names_its_unit_and_collective_exactly_in_float32(identity, kind):
+    tag = tag_of(identity, kind)
+    assert 0 <= tag < 1 << 24 and int(np.float32(tag)) == tag   # exact on the failure path
+    assert unit_and_kind(tag) == (identity, kind)
 
 
-def test_tags_of_different_units_or_collectives_differ():
-    tags = {tag_of(unit, kind) for unit in range(50) for kind in (GATHER, REDUCE)}
-    assert len(tags) == 100
+def test_identity_comes_from_path_class_and_parameters_not_from_an_order():
+    params = [("layers.0.w", (7, 7)), ("layers.0.b", (7,))]
+    same = unit_identity("layers.0", "Block", params)
+    assert same == unit_identity("layers.0", "Block", list(params))
+    others = {unit_identity("layers.1", "Block", params),
+              unit_identity("layers.0", "Other", params),
+              unit_identity("layers.0", "Block", [("layers.0.w", (7, 8)), params[1]]),
+              unit_identity("layers.0", "Block", params[:1])}
+    assert same not in others and len(others) == 4
 
 
-def test_the_message_says_what_each_rank_was_about_to_run():
+def _summed(tags, dtype, world_op):
+    """What a reduce of each rank's tag slots gives, in ``dtype``, summed in rank order with
+    rounding at every add (as a ring would), averaged when ``world_op == "avg"``."""
+    total = np.zeros(TAG_NUMEL, dtype)
+    for tag in tags:
+        total = (total.astype(np.float32) + tag_slots(tag)).astype(dtype)
+    if world_op == "avg":
+        total = (total.astype(np.float32) / len(tags)).astype(dtype)
+    return total
+
+
+@settings(max_examples=40, deadline=None)
+@given(identities, identities, st.integers(2, 4096), st.sampled_from(["sum", "avg"]),
+       st.sampled_from([np.float32, np.float16, ml_dtypes.bfloat16]))
+def test_a_reduce_of_the_tags_shows_a_mismatch_in_every_dtype_at_any_world_size(
+        first, second, world, op, dtype):
+    """Sums of 0/1 values are zero only when every value is: a pair with both sums nonzero
+    exactly when two ranks sent different bits, whatever the rounding (float16, bfloat16,
+    thousands of ranks, sum or average)."""
+    same = _summed([tag_of(first, GATHER)] * world, dtype, op).astype(np.float32)
+    pairs = same[:FLAG_SLOT].reshape(TAG_BITS, 2)
+    assert not np.minimum(pairs[:, 0], pairs[:, 1]).any()
+    tags = [tag_of(first, REDUCE)] * (world - 1) + [tag_of(second, REDUCE)]
+    mixed = _summed(tags, dtype, op).astype(np.float32)[:FLAG_SLOT].reshape(TAG_BITS, 2)
+    assert np.minimum(mixed[:, 0], mixed[:, 1]).any() == (first != second)
+
+
+@pytest.mark.parametrize("dtype", [ms.float32, ms.bfloat16])
+def test_the_device_comparison_reads_what_numpy_sums_say(dtype):
+    """OrderFlag on the device, fed what a reduce or an all-gather of two ranks' tail would
+    hold: a mismatch only when the tags differ or a sender's flag slot is set; one read."""
+    flag = OrderFlag()
+    a, b = UnitTag(flag, tag_of(5, REDUCE)), UnitTag(flag, tag_of(9, REDUCE))
+
+    def tail(*tags):
+        return ms.Tensor(sum(t.values(ms.float32).asnumpy() for t in tags)).astype(dtype)
+    flag.check_reduced(tail(a, a))
+    assert flag.pending and flag.read() is False
+    flag.check_reduced(tail(a, a))
+    flag.check_reduced(tail(a, b))
+    flag.check_reduced(tail(b, b))
+    assert flag.read() is True          # kept once set
+    assert not flag.pending             # read: starts over
+    rows = ms.Tensor(np.stack([a.values(ms.float32).asnumpy()] * 2)).astype(dtype)
+    a.check_gathered(rows)
+    assert flag.read() is False
+    rows = ms.Tensor(np.stack([a.values(ms.float32).asnumpy(),
+                               b.values(ms.float32).asnumpy()])).astype(dtype)
+    a.check_gathered(rows)
+    assert flag.read() is True
+    # a flag set on one rank travels in the flag slot: the next collective shows it
+    flag.check_gathered(rows, ms.Tensor(tag_slots(a.tag)[:FLAG_SLOT]))
+    assert a.values(ms.float32).asnumpy()[FLAG_SLOT] == 1
+    flag.read()
+    assert a.values(ms.float32).asnumpy()[FLAG_SLOT] == 0
+
+
+def test_a_tag_is_recorded_once_per_collective_launch():
+    flag = OrderFlag()
+    tag = UnitTag(flag, tag_of(3, GATHER))
+    tag.values(ms.float32)
+    UnitTag(flag, tag_of(3, REDUCE)).values(ms.bfloat16)
+    assert flag.recorded == [tag_of(3, GATHER), tag_of(3, REDUCE)] and flag.reduced
+
+
+def test_the_message_says_what_each_rank_ran():
     names = {3: "'b' (Lin)", 2: "'a' (Lin)"}
-    tags = [tag_of(3, GATHER), tag_of(3, GATHER), tag_of(3, GATHER), tag_of(2, REDUCE)]
+    tags = [tag_of(3, GATHER), tag_of(3, GATHER), tag_of(3, GATHER), tag_of(2, REDUCE), None]
     message = disagreement_message(tags, names.__getitem__)
     assert "ranks [0, 1, 2] at the all-gather of unit 'b' (Lin)" in message
     assert "rank 3 at the reduce of unit 'a' (Lin)" in message
+    assert "rank 4 at no further unit collective" in message
     assert "same fully_shard units in the same order" in message
 
 
-def test_each_unit_collective_agrees_on_its_own_kind():
-    """One step at world size 1 with the agreement recorded: every unit's reduce agrees as a
-    reduce (once per unit and step) and every gather as a gather, so ranks at the same unit but
-    different collectives disagree, and the message names the collective each rank ran."""
-    import mindspore as ms
-    import numpy as np
+@pytest.mark.parametrize("value", [True, False, "strict"])
+def test_check_unit_order_takes_true_false_or_strict(value):
+    assert GradPoolConfig(check_unit_order=value).check_unit_order == value
+
+
+@pytest.mark.parametrize("value", ["Strict", "on", 1, None])
+def test_check_unit_order_refuses_anything_else(value):
+    with pytest.raises(TypeError, match="check_unit_order must be True, False or 'strict'"):
+        GradPoolConfig(check_unit_order=value)
+
+
+def test_unit_identity_does_not_depend_on_models_built_before():
+    """A process that built (and ran) another sharded model first gives the same units the same
+    identities as one that did not."""
     from mindspore import Parameter, mint, nn
 
-    from gradpool import GradPoolConfig
     from hyper_parallel import fully_shard
 
     class Lin(nn.Cell):
-        def __init__(self, seed):
+        def __init__(self, name):
             super().__init__()
-            w = np.random.default_rng(seed).standard_normal((3, 3)).astype(np.float32)
-            self.w = Parameter(ms.Tensor(w), name=f"w{seed}")
+            self.w = Parameter(ms.Tensor(np.ones((3, 3), np.float32)), name=f"{name}.w")
 
         def construct(self, x):
-            return mint.tanh(mint.matmul(x, self.w))
+            return mint.matmul(x, self.w)
 
     class Net(nn.Cell):
         def __init__(self):
             super().__init__()
-            self.a, self.b = Lin(1), Lin(2)
+            self.a, self.b = Lin("a"), Lin("b")
 
         def construct(self, x):
             return self.b(self.a(x)).sum()
 
-    net = Net()
-    config = GradPoolConfig(check_unit_order=True)
-    for layer in (net.a, net.b):
-        fully_shard(layer, pool_config=config)
-    fully_shard(net, pool_config=config)
-    seen = []
-    for unit in net._hsdp_units():                  # pylint: disable=protected-access
-        def recording(kind, unit=unit):
-            seen.append((unit.index, kind, "reduce" if reducing[0] else "gather"))
-        unit._agree = recording                     # pylint: disable=protected-access
-        unit.memory._agree = recording              # pylint: disable=protected-access
-        unit.reduce_path._agree = recording         # pylint: disable=protected-access
-        original = unit.reduce_path.reduce
-
-        def reduce(params, op, original=original):
-            reducing[0] = True
-            try:
-                return original(params, op)
-            finally:
-                reducing[0] = False
-        unit.reduce_path.reduce = reduce
-    reducing = [False]
-    ms.value_and_grad(net, None, net.trainable_params())(ms.Tensor(np.ones((2, 3), np.float32)))
-    assert [kind for _, kind, doing in seen if doing == "reduce"] == [REDUCE] * 2
-    assert {kind for _, kind, doing in seen if doing == "gather"} == {GATHER}
-    assert sorted(index for index, kind, _ in seen if kind == REDUCE) == sorted(
-        u.index for u in net._hsdp_units() if u.params)   # pylint: disable=protected-access
+    def build():
+        net = Net()
+        for layer in (net.a, net.b):
+            fully_shard(layer)
+        fully_shard(net)
+        net(ms.Tensor(np.ones((2, 3), np.float32)))
+        return [u.order_identity for u in net._hsdp_units()]   # pylint: disable=protected-access
+    first = build()
+    extra = Net()           # another model, sharded and run in between
+    fully_shard(extra.a)
+    fully_shard(extra)
+    extra(ms.Tensor(np.ones((2, 3), np.float32)))
+    assert build() == first and len(set(first)) == 3

@@ -82,9 +82,12 @@ MEANINGS = {
         "`value_and_grad` returns are zeros then); `false`: each reduce completes in its "
         "unit's backward",
     "gradpool.check_unit_order":
-        "before each collective of a `fully_shard` unit every rank agrees it runs the same one "
-        "(a 4-byte all-gather over the world): a unit run on some ranks only is an error naming "
-        "it, not a hang or mixed shards; `false` saves that all-gather",
+        "every `fully_shard` unit collective carries a tag naming its unit, compared on the "
+        "device and read once at the end of each backward that reduced (no collective and no "
+        "host read per unit): units run in a different order on the ranks are an error naming "
+        "them, not mixed shards; `strict`: every rank agrees before each unit collective "
+        "instead (a world all-gather read on the host each time), which also names a mismatch "
+        "that would hang; `false`: no check",
     "gradpool.main_grad_in_place":
         "where the device adds in place (Ascend): `main_grad += shard` with `Tensor.add_`, "
         "checked once per process to take effect (an error names this key if it does not); "

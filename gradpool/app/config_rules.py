@@ -55,6 +55,21 @@ class Bool:
 
 
 @dataclass(frozen=True)
+class BoolOr:
+    """A bool, or one of ``words``: a mode beyond on and off (``check_unit_order: strict``)."""
+
+    words: Tuple[str, ...]
+
+    def describe(self) -> str:
+        return "a bool (true or false) or " + " or ".join(repr(w) for w in self.words)
+
+    def coerce(self, value: Any, lenient: bool):
+        if isinstance(value, str) and value.strip().lower() in self.words:
+            return value.strip().lower()
+        return Bool().coerce(value, lenient)
+
+
+@dataclass(frozen=True)
 class Choice:
     options: Tuple[str, ...]
     nullable: bool = False

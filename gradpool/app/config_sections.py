@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gradpool import DTYPE_NAMES, SUPPORTED_DEVICES, GradPoolConfig
-from gradpool.app.config_rules import (Bool, Choice, EnvMapping, Int, ListOf, PositiveNumber,
-                                       Text, _key, _Section)
+from gradpool.app.config_rules import (Bool, BoolOr, Choice, EnvMapping, Int, ListOf,
+                                       PositiveNumber, Text, _key, _Section)
 from gradpool.app.dispatchers import AUTO, DISPATCHERS
 from gradpool.app.errors import ConfigValueError
 from gradpool.device import blocks_launches_by_default
@@ -59,7 +59,7 @@ _GRADPOOL_RULES = {
     "max_cached_mib": PositiveNumber(nullable=True),
     "verify_gradients": Bool(),
     "async_reduce": Bool(),
-    "check_unit_order": Bool(),
+    "check_unit_order": BoolOr(("strict",)),
     "main_grad_in_place": Bool(),
 }
 

@@ -9,9 +9,9 @@ replicate all-reduce per unit under HSDP); without it one of each per parameter.
 ``clip_grad_norm_`` adds one all-reduce over the shard group; nothing else may run over the
 world.
 
-``gradpool.check_unit_order`` is off here: today it adds one world all-gather before every unit
-collective, which the plan does not count. Once the order tag travels inside the unit's own
-collectives, turn ``ORDER_CHECK`` on: the counts must not change.
+``gradpool.check_unit_order`` is on (the default): its tag travels inside the unit's own
+collectives, so the counts are the design's with it; ``strict`` would add one world all-gather
+before every unit collective.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))      # the reposito
 
 from harness import equal
 
-ORDER_CHECK = False
+ORDER_CHECK = True
 STEPS = 2
 COMMON = ["model.num_layers=2", "fully_shard.apply_grad_on_fp32_main_grad=true",
           "gradpool.verify_gradients=false", f"gradpool.check_unit_order={str(ORDER_CHECK).lower()}"]

@@ -825,7 +825,8 @@ def reshard_after_forward_list_unit(ctx: Context) -> dict:
 def gathers_straight_into_the_buffers(ctx: Context) -> dict:
     """A parameter gathered alone whose gathered rows are its full tensor (dim 0 divisible by the
     world, float32 compute) is all-gathered into its buffer, the others through a temporary;
-    values as with resharding off."""
+    values as with resharding off. The one parameter per unit that carries the unit-order tag
+    (its smallest gathered one) is gathered with the tag through a temporary."""
     import hyper_parallel.platform.mindspore.fully_shard.param as param_module
     import hyper_parallel.platform.mindspore.fully_shard.unit_memory as memory_module
     launched, in_unit = {}, []
@@ -838,10 +839,10 @@ def gathers_straight_into_the_buffers(ctx: Context) -> dict:
         finally:
             in_unit.pop()
 
-    def recording(param, local, into=None):
+    def recording(param, local, into=None, tag=None):
         if in_unit and in_unit[-1]:
-            launched.setdefault(param.name, set()).add(into is not None)
-        return launch_one(param, local, into)
+            launched.setdefault(param.name, set()).add((into is not None, tag is not None))
+        return launch_one(param, local, into, tag=tag)
 
     memory_module.launch_all_gather, param_module._launch_one_gather = unit_gather, recording
     models = []
@@ -850,11 +851,18 @@ def gathers_straight_into_the_buffers(ctx: Context) -> dict:
     finally:
         memory_module.launch_all_gather, param_module._launch_one_gather = launch_all, launch_one
     shapes = {p.name: tuple(p.hsdp_param.orig_shape) for p in models[0].trainable_params()}
+    carriers = set()
+    for unit in models[0]._hsdp_units():           # pylint: disable=protected-access
+        gathered = [p for p in unit.params if not p.replicate and p.world_size > 1]
+        if gathered:
+            carriers.add(min(gathered, key=lambda p: p.slot.chunk_numel).name)
     got = {name: sorted(flags) for name, flags in launched.items()}
-    expected = {name: [shapes[name][0] % ctx.world_size == 0] for name in launched}
-    checks["straight into the buffer exactly when the rows are the tensor"] = equal(got, expected)
+    expected = {name: [(shapes[name][0] % ctx.world_size == 0 and name not in carriers,
+                        name in carriers)] for name in launched}
+    checks["straight into the buffer exactly when the rows are the tensor, tag aside"] = equal(
+        got, expected)
     checks["both kinds present"] = equal(
-        sorted({flag for flags in launched.values() for flag in flags}), [False, True])
+        sorted({into for flags in launched.values() for into, _ in flags}), [False, True])
     return checks
 
 

@@ -128,7 +128,9 @@ class Run:
     frozen_bias: bool = False
     skip_b_at: tuple = ()          # steps whose forward skips unit b
     skip_b_on_last_rank_at: tuple = ()  # steps whose forward skips b on the last rank only:
-    #                                    refused on every rank, the step abandoned (world 1: a skip)
+    #                                    refused on every rank, the step abandoned (world 1: a
+    #                                    skip); the collective counts differ, so only the strict
+    #                                    unit-order check refuses it (before the collective)
     seq_lens: tuple = ()           # per step: rows per rank (dynamic shapes); () = ROWS
     fail_before: tuple = ()        # failures injected (caught) before step 0: where a forward
     #                                raises, or "reentrant_recompute" (a refused backward)
@@ -148,7 +150,8 @@ def _build(run: Run, world: int):
         model.a.recompute()
     mp = MixedPrecisionPolicy(apply_grad_on_fp32_main_grad=run.mode != "plain")
     config = GradPoolConfig(poison_on_release=True, verify_gradients=True,
-                            async_reduce=run.mode == "main_async")
+                            async_reduce=run.mode == "main_async",
+                            check_unit_order="strict" if run.skip_b_on_last_rank_at else True)
     mesh = {}
     if run.mesh:
         mesh["mesh"] = init_device_mesh("cpu", run.mesh, mesh_dim_names=("dp_replicate", "fsdp"))

@@ -12,6 +12,8 @@ import mindspore as ms
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import Suite
+from hyper_parallel import init_device_mesh
+import order_cases
 from pattern_cases import Run, add_cases as add_both_entries, pool_memory_never_leaves_the_pool
 
 
@@ -39,6 +41,32 @@ for mesh, tag in (((), "fsdp4"), ((2, 2), "hsdp")):
 
 suite.add("hsdp_pool_memory_never_leaves_the_pool",
           lambda ctx: pool_memory_never_leaves_the_pool(ctx, mesh=(2, 2)))
+
+
+def _hsdp_mesh():
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "fsdp"))
+
+
+# the unit-order check (order_cases.py): a swap inside one shard group stops the other group too
+for _mode in MODES:
+    suite.add(f"hsdp_units_swapped_in_one_shard_group_refused_{_mode}",
+              lambda ctx, mode=_mode: order_cases.swap_case(ctx, mode, False, mesh=_hsdp_mesh()))
+
+
+suite.add("hsdp_gather_tag_differs_in_one_shard_group_refused",
+          lambda ctx: order_cases.gather_carries_another_units_tag(ctx, mesh=_hsdp_mesh()))
+
+
+def hsdp_host_reads_in_a_training_step(ctx) -> dict:
+    """order_cases.host_reads_in_a_training_step on the HSDP (2, 2) mesh."""
+    checks = {}
+    for label, case in order_cases.HSDP_READ_CASES.items():
+        checks.update(order_cases.read_checks(
+            label, order_cases.host_reads_per_step(ctx, case, mesh=_hsdp_mesh())))
+    return checks
+
+
+suite.add("hsdp_host_reads_in_a_training_step", hsdp_host_reads_in_a_training_step)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,11 @@ all-gather: the EP group's tokens ``[E * N, H]`` gathered with their routing wei
 num_experts]`` as extra columns (one all-gather), the outputs combined by a
 reduce-scatter, and in backward the output gradients gathered and the input gradients
 reduce-scattered. Full recompute runs each layer's forward dispatch again in its backward.
+
+The unit-order check (``gradpool.check_unit_order``, on by default) adds no row: each unit's
+all-gather and reduce carry its tag in a few elements at the end of every rank's row (49 per
+row of one bucket per unit collective), and the host reads one flag per step. Its ``strict``
+mode would add a 4-byte all-gather over the world before every unit collective (a note says so).
 """
 from __future__ import annotations
 
@@ -164,11 +169,26 @@ def plan_comm(cfg: RunConfig, geo: _Geometry, intra_gbps: Optional[float],
                   link(shard_groups(ranks, ep), per_node))
     total = sum(r.bytes for r in rows.rows)
     known = all(r.seconds is not None for r in rows.rows)
+    unit_collectives = sum(r.collectives for r in rows.rows
+                           if r.what.startswith(("dense", "local")) and r.collective != "all-reduce")
+    notes = [_unit_order_note(cfg.gradpool.check_unit_order, unit_collectives)]
     return CommPlan(
         rows=rows.rows, intra_node_gbps=intra_gbps, inter_node_gbps=inter_gbps,
         ranks_per_node=per_node, dispatcher=dispatcher if ep > 1 else None,
         recompute=recompute and ep > 1, total_bytes=total,
-        estimated_seconds=sum(r.seconds for r in rows.rows) if known else None)
+        estimated_seconds=sum(r.seconds for r in rows.rows) if known else None,
+        notes=[n for n in notes if n])
+
+
+def _unit_order_note(mode, unit_collectives: int) -> str:
+    """What the unit-order check costs, in words (it adds no row: see the module's doc)."""
+    if mode == "strict":
+        return (f"check_unit_order: strict adds a 4-byte all-gather over the world, read on the "
+                f"host, before each of the {unit_collectives:,} unit collectives (not in the rows)")
+    if mode:
+        return ("check_unit_order: no collective of its own; each unit collective carries its "
+                "tag in 49 elements per rank row, and the host reads one flag per step")
+    return ""
 
 
 def _dispatch(cfg: RunConfig, rows: _Rows, compute: int, dispatcher: str, recompute: bool,

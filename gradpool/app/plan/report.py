@@ -138,7 +138,7 @@ def _comm(plan: MemoryPlan) -> list:
     lines.append(f"  {'total':<{width}}  {'':<{group}}  {'':<10}  {'':>9}  "
                  f"{human(comm.total_bytes):>10}  {total:>11}"
                  + (f"  (copy-in beside it: {plan.copy.estimated_seconds * 1e3:.1f} ms)"))
-    return lines
+    return lines + [f"  note: {note}" for note in comm.notes]
 
 
 def _activations(plan: MemoryPlan) -> list:

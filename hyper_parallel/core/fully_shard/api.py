@@ -422,7 +422,8 @@ def _fully_shard(modules, module, mesh, reshard_after_forward, shard_placement_f
     unit = HSDPUnitState(modules, [m for _, m in params], reducer, mp_policy,
                          reshard_after_forward,
                          async_reduce=config.async_reduce and mp_policy.apply_grad_on_fp32_main_grad,
-                         world_comm=runtime.comm if config.check_unit_order else None)
+                         world_comm=runtime.comm if config.check_unit_order else None,
+                         check_unit_order=config.check_unit_order)
     if params:
         unit.runtime.replaced_parameters = True     # the originals are freed before a forward
     for mod in modules:

@@ -1,19 +1,36 @@
-"""Every rank runs the same ``fully_shard`` units in the same order: agreed before each unit's
-collectives, so a unit run on some ranks only is refused by name.
+"""Every rank runs the same ``fully_shard`` units in the same order: a unit run on some ranks only
+is refused by name.
 
-Without the agreement a rank that skips a unit (data-dependent control flow, a branch on the
+Without a check a rank that skips or swaps a unit (data-dependent control flow, a branch on the
 rank) pairs its next collective with another rank's collective of a different unit: a hang when
-their sizes differ, and when they match (two identical layers) silently mixed shards. Before
-each all-gather and each reduce a unit launches, every rank of the job all-gathers one number
-naming the unit and the collective (a 4-byte all-gather per rank, over the world); when they
-differ, every rank raises :class:`gradpool.UnsupportedPatternError` naming what each rank was
-about to run. The world, not the unit's own group, agrees: a mismatch inside one shard group
-must stop the ranks of the other groups too, which would otherwise wait in a collective with
-the ranks that raised. ``GradPoolConfig(check_unit_order=False)`` leaves the agreement out.
+their sizes differ, and when they match (two identical layers) silently mixed shards.
+
+**What identifies a collective** (:func:`unit_identity`, :func:`tag_of`): a hash of the unit's
+module path under its root model, its class and its parameters' names and shapes, plus the kind
+of collective (all-gather or reduce). Every rank computes the same tag for the same unit, however
+many other sharded models a process built before (an evaluation copy, a teacher).
+
+**The default check rides inside the unit's own collectives** (:mod:`.order_flag`): each tag is
+sent as ``TAG_BITS`` pairs of values ``(bit, 1 - bit)``, plus one slot carrying the sender's
+mismatch flag. In an all-gather every rank's row arrives as sent, so each rank compares every row
+with its own; in a reduce (sum or average) every rank writes its pairs into every row, and a pair
+whose two sums are both nonzero proves two ranks sent different bits (sums of values >= 0 are
+zero only when all are: no rounding can hide it, in any float dtype at any world size). The
+comparison runs on the device into a per-step flag that the host reads once, at the end of the
+backward pass; a mismatch raises :class:`gradpool.UnsupportedPatternError` there, naming what
+each rank ran (only then do the ranks exchange their recorded tags). It costs no collective and
+no host read per unit. It finds every mismatch whose collectives complete (the silent mixing);
+one that hangs (different sizes) needs the strict mode.
+
+**Strict mode** (``check_unit_order="strict"``, :class:`UnitOrderCheck`): before each all-gather
+and each reduce, every rank of the job all-gathers the tag over the world and reads it on the
+host, so a mismatch is refused before the collective that would hang. A world collective and a
+host wait per unit collective: for hunting a hang, not for training.
 """
 from __future__ import annotations
 
-from typing import Callable
+import hashlib
+from typing import Callable, Optional, Sequence
 
 import mindspore as ms
 import numpy as np
@@ -23,27 +40,54 @@ from gradpool import UnsupportedPatternError
 
 GATHER, REDUCE = 0, 1
 _KIND_NAMES = {GATHER: "all-gather", REDUCE: "reduce"}
-# Tags travel as float32 (the collective dtype every backend has): exact below 2 ** 24.
-UNIT_SLOTS = 1 << 22
+# A unit's identity: IDENTITY_BITS bits of a hash; a tag adds the kind. Tags travel as float32 on
+# the failure path and in strict mode (exact below 2 ** 24).
+IDENTITY_BITS = 23
+TAG_BITS = IDENTITY_BITS + 1
+# The values a tag takes in a bucket row: TAG_BITS pairs (bit, 1 - bit), then the flag slot.
+TAG_NUMEL = 2 * TAG_BITS + 1
+FLAG_SLOT = 2 * TAG_BITS
 
 
-def tag_of(unit_index: int, kind: int) -> int:
-    """The number a rank sends for the collective ``kind`` of unit ``unit_index`` (never 0)."""
-    return (unit_index % UNIT_SLOTS) * 2 + kind + 1
+def unit_identity(path: str, class_name: str, params: Sequence[tuple[str, tuple]]) -> int:
+    """A number every rank computes alike for the same unit: from its module path under its root
+    model, its class and its parameters' ``(name, shape)``, never from how many units a process
+    made."""
+    text = "\n".join([path, class_name] + [f"{name}:{tuple(shape)}" for name, shape in params])
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (1 << IDENTITY_BITS)
+
+
+def tag_of(identity: int, kind: int) -> int:
+    """The number a rank sends for the collective ``kind`` of the unit ``identity``."""
+    return (identity % (1 << IDENTITY_BITS)) * 2 + kind
 
 
 def unit_and_kind(tag: int) -> tuple[int, int]:
-    """Inverse of :func:`tag_of` (the unit index modulo the number of slots)."""
-    return (tag - 1) // 2, (tag - 1) % 2
+    """Inverse of :func:`tag_of`."""
+    return tag // 2, tag % 2
 
 
-def disagreement_message(tags: list[int], describe: Callable[[int], str]) -> str:
-    """What each rank was about to run, one clause per distinct collective."""
+def tag_slots(tag: int) -> np.ndarray:
+    """The ``TAG_NUMEL`` values (float32) a tag is sent as: ``(bit, 1 - bit)`` per bit, low bit
+    first, then the flag slot (0 here: the sender's flag is written there on the device)."""
+    bits = np.array([(tag >> b) & 1 for b in range(TAG_BITS)], np.float32)
+    slots = np.zeros(TAG_NUMEL, np.float32)
+    slots[0:FLAG_SLOT:2], slots[1:FLAG_SLOT:2] = bits, 1 - bits
+    return slots
+
+
+def disagreement_message(tags: list[Optional[int]], describe: Callable[[int], str]) -> str:
+    """What each rank ran, one clause per distinct collective (None: the rank ran no further unit
+    collective)."""
     clauses = []
     for tag in dict.fromkeys(tags):
         ranks = [rank for rank, other in enumerate(tags) if other == tag]
-        unit, kind = unit_and_kind(tag)
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+        if tag is None:
+            clauses.append(f"{who} at no further unit collective")
+            continue
+        unit, kind = unit_and_kind(tag)
         clauses.append(f"{who} at the {_KIND_NAMES[kind]} of unit {describe(unit)}")
     return ("fully_shard units ran in a different order on the ranks: " + "; ".join(clauses)
             + ". Every rank must run the same fully_shard units in the same order (a unit "
@@ -53,18 +97,18 @@ def disagreement_message(tags: list[int], describe: Callable[[int], str]) -> str
 
 
 class UnitOrderCheck:
-    """The agreement of one process's units over ``comm`` (the world communicator)."""
+    """Strict mode: the blocking agreement of one process's units over ``comm`` (the world)."""
 
     def __init__(self, comm, describe: Callable[[int], str]):
         self.comm = comm
         self.describe = describe
 
-    def agree(self, unit_index: int, kind: int) -> None:
-        """Every rank is about to run collective ``kind`` of unit ``unit_index``; else every
-        rank raises :class:`UnsupportedPatternError` saying what each was about to run."""
+    def agree(self, tag: int) -> None:
+        """Every rank is about to run the collective ``tag``; else every rank raises
+        :class:`UnsupportedPatternError` saying what each was about to run."""
         if self.comm.world_size == 1:
             return
-        send = ms.Tensor(np.array([tag_of(unit_index, kind)], np.float32))
+        send = ms.Tensor(np.array([tag], np.float32))
         received = mint.zeros(self.comm.world_size, dtype=ms.float32)
         self.comm.all_gather(received, send).wait()
         tags = [int(value) for value in received.asnumpy()]

@@ -31,9 +31,8 @@ from mindspore import Parameter, mint
 
 from gradpool import (GradientIntegrityError, GradSlot, InvalidArgumentError, ReduceResult,
                       ReduceScatterLayout, add_in_place, check_in_place_add, check_reduce_op,
-                      on_real_device, pack_bucket, synchronize, device_target,
-                      unpack_gathered, unshard,
-                      writable_view)
+                      on_real_device, pack_bucket, row_tails, synchronize, device_target,
+                      unpack_gathered, unshard, writable_view, write_row_tails)
 from hyper_parallel.core.dtensor.dtensor import held_main_grad, set_main_grad_default
 from hyper_parallel.platform.mindspore.fully_shard.meta_init import (install_sharded_init, is_meta,
                                                                       meta_shard)
@@ -460,7 +459,8 @@ class PendingGather:
 
 
 def launch_all_gather(params: list, locals_: list, pool, *, fused: bool,
-                      host: bool = True, buffers: Optional[list] = None) -> PendingGather:
+                      host: bool = True, buffers: Optional[list] = None,
+                      tag=None) -> PendingGather:
     """Launch the all-gathers that make the full parameters of one unit from their local shards
     (``pool`` gives the fused gathers their buckets; None will do when not ``fused``).
 
@@ -483,9 +483,17 @@ def launch_all_gather(params: list, locals_: list, pool, *, fused: bool,
     ``buffers`` (a unit's :class:`gradpool.GatheredParam` per parameter, or None): a parameter
     gathered alone whose gathered rows are its full tensor as they are (sharded on dim 0, no
     padding, no cast) is gathered straight into its buffer, with no copy and no memory of its
-    own; its ``finish`` returns the buffer's tensor, filled."""
+    own; its ``finish`` returns the buffer's tensor, filled.
+
+    ``tag`` (the unit's order tag, :class:`.order_flag.UnitTag`, or None): one of the gathers
+    carries it in a tail of every rank's row, compared on the device once gathered: the first
+    fused bucket, or unfused the smallest parameter's gather (the larger ones keep gathering in
+    place)."""
     pending = PendingGather(len(params))
     groups: dict = {}
+    gathered = [i for i, p in enumerate(params) if not (p.replicate or p.world_size == 1)]
+    tagged = None if tag is None or fused or not gathered else \
+        min(gathered, key=lambda i: params[i].slot.chunk_numel)
     try:
         for index, (param, local) in enumerate(zip(params, locals_)):
             if param.replicate or param.world_size == 1:
@@ -493,15 +501,18 @@ def launch_all_gather(params: list, locals_: list, pool, *, fused: bool,
                 pending.add([index], lambda full=full: [full], lambda: None)
             elif fused:
                 groups.setdefault(local.dtype, []).append(index)
+            elif index == tagged:
+                pending.add([index], *_launch_one_gather(param, local, tag=tag))
             else:
                 buffer = buffers[index] if buffers is not None else None
                 into = buffer if buffer is not None and gathers_in_place(param, local, buffer) \
                     else None
                 pending.add([index], *_launch_one_gather(param, local, into))
-        for dtype, indices in groups.items():
+        for position, (dtype, indices) in enumerate(groups.items()):
             members = [params[i] for i in indices]
             pending.add(indices, *_launch_bucket_gather(
-                members, [locals_[i] for i in indices], dtype, pool, host))
+                members, [locals_[i] for i in indices], dtype, pool, host,
+                tag if position == 0 else None))
     except BaseException:
         pending.abandon()
         raise
@@ -515,17 +526,29 @@ def gathers_in_place(param: MindSporeHSDPParamV2, local: ms.Tensor, buffer) -> b
             and local.dtype == buffer.dtype)
 
 
-def _launch_one_gather(param: MindSporeHSDPParamV2, local: ms.Tensor, into=None):
+def _launch_one_gather(param: MindSporeHSDPParamV2, local: ms.Tensor, into=None, tag=None):
+    """One parameter's all-gather (into its buffer's memory when ``into`` is given); with
+    ``tag``, each rank's row is its chunk followed by the tag's values."""
     numel = param.slot.chunk_numel
-    gathered = (mint.empty(numel * param.world_size, dtype=local.dtype) if into is None
+    send = local.reshape(numel)
+    row = numel
+    if tag is not None:
+        send = mint.cat([send, tag.values(send.dtype)])
+        row += tag.numel
+    gathered = (mint.empty(row * param.world_size, dtype=local.dtype) if into is None
                 else into.target())
-    handle = param.comm.all_gather(gathered, local.reshape(numel), async_op=True)
+    handle = param.comm.all_gather(gathered, send, async_op=True)
 
     def finish() -> list:
         handle.wait()
         if into is not None:
             return [into.filled()]
-        return [param.in_param_dtype(unshard(gathered, param.slot))]
+        flat = gathered
+        if tag is not None:
+            rows = gathered.view(param.world_size, row)
+            tag.check_gathered(rows[:, numel:])
+            flat = rows[:, :numel].contiguous().view(numel * param.world_size)
+        return [param.in_param_dtype(unshard(flat, param.slot))]
 
     def abandon() -> None:
         # the collective may still write into ``gathered``: it must outlive it
@@ -537,20 +560,24 @@ def _launch_one_gather(param: MindSporeHSDPParamV2, local: ms.Tensor, into=None)
     return finish, abandon
 
 
-def _launch_bucket_gather(members: list, locals_: list, dtype, pool, host: bool):
+def _launch_bucket_gather(members: list, locals_: list, dtype, pool, host: bool, tag=None):
     """One all-gather of ``members``' local shards through two pool leases (send row, gathered
     ``[W, row]``): the send bucket is released at launch, fenced on the collective; the gathered
-    one when its full tensors have been copied out (they own their memory)."""
+    one when its full tensors have been copied out (they own their memory). ``tag``: every row
+    ends with the tag's values, compared on the device once gathered."""
     comm = members[0].comm
     align = pool.alignment_elements(dtype)
+    tail = 0 if tag is None else tag.numel
     layout = ReduceScatterLayout.build([m.orig_shape for m in members], comm.world_size, align,
-                                       [m.shard_dim for m in members])
-    row = ReduceScatterLayout.build([m.local_shape for m in members], 1, align)
+                                       [m.shard_dim for m in members], tail)
+    row = ReduceScatterLayout.build([m.local_shape for m in members], 1, align, tail_numel=tail)
     taken: list = []
     handle = None
     try:
         send = pool.acquire(row.total_numel, dtype, holder=taken)
         written = pack_bucket(send, locals_, row, host=host)
+        if tag is not None:
+            write_row_tails(send.tensor, row, tag.values(dtype), send.allocation)
         recv = pool.acquire(layout.total_numel, dtype, holder=taken)
         handle = comm.all_gather(recv.tensor, send.tensor, async_op=True)
     except BaseException:
@@ -562,6 +589,8 @@ def _launch_bucket_gather(members: list, locals_: list, dtype, pool, host: bool)
     def finish() -> list:
         try:
             handle.wait()
+            if tag is not None:
+                tag.check_gathered(row_tails(recv.tensor, layout))
             fulls = unpack_gathered(recv, layout, host=host)
             if not (written.on_host and host):
                 synchronize()   # queued device copies still read the bucket: done before recycling

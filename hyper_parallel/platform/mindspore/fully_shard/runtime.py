@@ -14,7 +14,9 @@ finalizer gives their leases back to the pool.
   freed before the next forward starts (:meth:`FullyShardRuntime.free_replaced_parameters`);
 * whether a failure path ran since the last step boundary: under torch-style backward that,
   not MindSpore's grad flag, tells an abandoned grad graph from the recording every forward
-  gets (:meth:`FullyShardRuntime.close_abandoned_grad_graph`).
+  gets (:meth:`FullyShardRuntime.close_abandoned_grad_graph`);
+* the unit-order mismatch flag (:mod:`.order_flag`), read once at the end of a backward pass
+  that reduced (:meth:`FullyShardRuntime.check_unit_order`).
 """
 from __future__ import annotations
 
@@ -34,7 +36,9 @@ from hyper_parallel.platform.mindspore.fully_shard.autograd import (backward_eng
                                                                      queue_end_of_backward,
                                                                      resume_recording,
                                                                      torch_style_recording)
-from hyper_parallel.platform.mindspore.fully_shard.order import UNIT_SLOTS, UnitOrderCheck
+from gradpool import UnsupportedPatternError
+from hyper_parallel.platform.mindspore.fully_shard.order import UnitOrderCheck
+from hyper_parallel.platform.mindspore.fully_shard.order_flag import OrderFlag
 from hyper_parallel.platform.mindspore.fully_shard.recompute import non_reentrant_recompute
 
 logger = logging.getLogger(__name__)
@@ -52,14 +56,18 @@ class FullyShardRuntime:
         self.backward_pass: Optional[int] = None   # engine whose end-of-backward is queued
         self.backward_units: dict = {}             # id -> ref: units that ran in that pass
         self.registered = 0                        # units ever registered: the next one's index
-        self.order_check: Optional[UnitOrderCheck] = None   # made by the first unit using it
+        self.order_check: Optional[UnitOrderCheck] = None   # strict mode: made on first use
+        self.order_flag = OrderFlag()              # the default check's per-step flag
+        self.world_comm = None                     # over which a mismatch is described
+        self._paths: dict = {}                     # id(unit) -> (ref, path under its root)
         self.failure_seen = False                  # a forward or backward raised since the last
         #                                            step boundary (close_abandoned_grad_graph)
 
     # -- registry ---------------------------------------------------------------------------------
     def register(self, unit) -> None:
-        """Keep ``unit`` (weakly) and give it its index: units are made in the same order on
-        every rank, so the index names the same unit everywhere (see :mod:`.order`)."""
+        """Keep ``unit`` (weakly) and give it its index (the order this process made it in:
+        not the same on every rank when a rank builds another model first, so it names nothing
+        across ranks; :mod:`.order` names units by :attr:`order_identity`)."""
         unit.index = self.registered
         self.registered += 1
         self._units.append(weakref.ref(unit))
@@ -69,20 +77,61 @@ class FullyShardRuntime:
             self.order_check = UnitOrderCheck(world_comm, self.describe_unit)
         return self.order_check
 
-    def describe_unit(self, index: int) -> str:
-        """``'layers.1' (DecoderLayer)``: the unit's path under its root, and its class."""
-        units = self.live_units()
-        match = [u for u in units if u.index % UNIT_SLOTS == index]
+    def use_world_comm(self, world_comm) -> None:
+        if self.world_comm is None or world_comm.world_size > self.world_comm.world_size:
+            self.world_comm = world_comm
+
+    def path_of(self, unit) -> str:
+        """The path of ``unit``'s first module under the root unit that contains it ("" for a
+        root; its class name when no root unit contains it): the same on every rank."""
+        known = self._paths.get(id(unit))
+        if known is not None and known[0]() is unit:
+            return known[1]
+        module, path = unit.modules[0], None
+        for root in (u for u in self.live_units() if u.is_root):
+            for top in root.modules:
+                for name, cell in top.cells_and_names():
+                    if cell is module:
+                        path = name
+                        break
+        if path is None:
+            path = type(module).__name__
+        self._paths[id(unit)] = (weakref.ref(unit), path)
+        return path
+
+    def describe_unit(self, identity: int) -> str:
+        """``'layers.1' (DecoderLayer)``: the path under its root and the class of the unit whose
+        :attr:`order_identity` is ``identity`` (the same unit on every rank)."""
+        units = [u for u in self.live_units() if u.params or u.is_root]
+        match = [u for u in units if u.order_identity == identity]
         if not match:
-            return f"#{index}"
-        unit, paths = match[-1], {}
-        for root in (u for u in units if u.is_root):
-            for module in root.modules:
-                paths.update({id(cell): name for name, cell in module.cells_and_names()})
-        module = unit.modules[0]
-        path = paths.get(id(module))
-        where = repr(path) if path else ("the root" if path == "" else "#" + str(index))
-        return f"{where} ({_user_class_name(module)})"
+            return f"#{identity}"
+        unit = match[-1]
+        path = self.path_of(unit)
+        where = repr(path) if path else "the root"
+        return f"{where} ({user_class_name(unit.modules[0])})"
+
+    # -- the unit-order check's one host read per step --------------------------------------------
+    def check_unit_order(self, units) -> None:
+        """The end of a backward pass that reduced: read the mismatch flag (the one host read of
+        the check, after the reduces have landed, before any optimizer update); on a mismatch,
+        the gradients of ``units`` (those of the pass) are dropped and
+        :class:`UnsupportedPatternError` names what each rank ran (the ranks exchange their
+        recorded tags, on this path only)."""
+        flag = self.order_flag
+        reducing = [u for u in units if u.params]
+        if not flag.pending or (reducing and all(u.reduce_path.keeps_partials for u in reducing)):
+            return      # HSDP micro-steps without the replicate all-reduce: read at the last
+        if not flag.read():
+            flag.clear()
+            return
+        try:
+            message = flag.describe_failure(self.world_comm, self.describe_unit)
+        finally:
+            flag.clear()
+            for unit in units:
+                unit.reduce_path.zero_grad()
+        raise UnsupportedPatternError(message)
 
     def live_units(self) -> list:
         alive = [ref for ref in self._units if ref() is not None]
@@ -190,6 +239,7 @@ class FullyShardRuntime:
             if last:
                 self.abandon_prefetches()
                 self.finish_async_reduces()
+                self.check_unit_order(units)
         finally:
             self._drop_shared_zeros_from_grads(units)
             for unit in self.live_units():
@@ -223,6 +273,9 @@ class FullyShardRuntime:
 
     def _reset_every_unit(self) -> None:
         self.forward_order = []
+        self.order_flag = OrderFlag()     # the abandoned step's tags are not the next one's
+        for unit in self.live_units():
+            unit.forget_order_tags()
         for unit in self.live_units():
             unit.reset_after_failure()
         self.restore_cell_grad_flags()
@@ -317,7 +370,7 @@ def alive_units(refs) -> list:
     return [unit for unit in (ref() for ref in refs) if unit is not None]
 
 
-def _user_class_name(module) -> str:
+def user_class_name(module) -> str:
     """The class the user wrote, not the ``HSDP<name>`` one fully_shard extends it into."""
     mro = type(module).__mro__
     if len(mro) > 2 and mro[0].__name__ == f"HSDP{mro[2].__name__}":

@@ -43,9 +43,11 @@ from typing import Optional
 
 from gradpool import GatheredParam, GradReducer, check_reduce_op
 from hyper_parallel.platform.mindspore.fully_shard.autograd import register_backward_pre_hook
+from hyper_parallel.platform.mindspore.fully_shard.order import tag_of, unit_identity
+from hyper_parallel.platform.mindspore.fully_shard.order_flag import UnitTag
 from hyper_parallel.platform.mindspore.fully_shard.param import MindSporeHSDPParamV2
 from hyper_parallel.platform.mindspore.fully_shard.runtime import (RUNTIME, FullyShardRuntime,
-                                                                    alive_units)
+                                                                    user_class_name, alive_units)
 from hyper_parallel.platform.mindspore.fully_shard.settings import UnitSettings
 from hyper_parallel.platform.mindspore.fully_shard.unit_memory import UnitMemory
 from hyper_parallel.platform.mindspore.fully_shard.unit_reduce import (AsyncReduceStats,
@@ -85,14 +87,23 @@ class HSDPUnitState:
 
     def __init__(self, modules: list, params: list[MindSporeHSDPParamV2], reducer: GradReducer,
                  mp_policy, reshard_after_forward: bool, async_reduce: bool = False,
-                 runtime: FullyShardRuntime = RUNTIME, world_comm=None):
+                 runtime: FullyShardRuntime = RUNTIME, world_comm=None,
+                 check_unit_order=True):
         """``async_reduce``: leave each backward's reduce in flight (main_grad mode only).
-        ``world_comm``: every rank agrees on each collective of this unit over it before the
-        collective runs (:mod:`.order`); None: no agreement."""
+        ``world_comm``: the world, over which a unit-order mismatch is described (the default
+        check, carried in the unit's own collectives) or, with ``check_unit_order="strict"``,
+        every collective agreed before it runs (:mod:`.order`); None: no check."""
         self._modules = [weakref.ref(module) for module in modules]
         self.runtime = runtime
-        self.index = -1                       # set by runtime.register
-        self._order = None if world_comm is None else runtime.unit_order_check(world_comm)
+        self.index = -1                       # set by runtime.register (registration order)
+        self._identity: Optional[int] = None  # set on first use (:meth:`order_identity`)
+        self._tags: dict = {}                 # kind -> UnitTag
+        self._strict = None
+        self._order_on = world_comm is not None
+        if world_comm is not None:
+            runtime.use_world_comm(world_comm)
+            if check_unit_order == "strict":
+                self._strict = runtime.unit_order_check(world_comm)
         self.params = params
         self.reducer = reducer
         self.mp_policy = mp_policy
@@ -101,10 +112,10 @@ class HSDPUnitState:
         self._forward_prefetch: list = []      # weak refs: units gathered when this one is
         # None: the next unit in backward order (implicit); a list: those units (weak refs)
         self._backward_prefetch: Optional[list] = None
-        agree = _weakly(self._agree)
-        self.memory = UnitMemory(params, reducer, agree)
+        order_tag = _weakly(self.order_tag)
+        self.memory = UnitMemory(params, reducer, order_tag)
         self.reduce_path = UnitReduce(params, reducer, mp_policy, self.settings, runtime,
-                                      async_reduce, agree, owner=self)
+                                      async_reduce, order_tag, owner=self)
         self.steps = UnitSteps(self)
         for param in params:
             param.unit = self       # for upstream's per-parameter calls only (reduce_scatter_grad)
@@ -121,9 +132,36 @@ class HSDPUnitState:
             module.register_forward_hook(self.steps.after_forward_call, always_call=True)
         runtime.register(self)
 
-    def _agree(self, kind: int) -> None:
-        if self._order is not None:
-            self._order.agree(self.index, kind)
+    # -- the unit-order check (:mod:`.order`) ----------------------------------------------------
+    @property
+    def order_identity(self) -> int:
+        """What names this unit alike on every rank: its module path under its root model, its
+        class, its parameters' names and shapes (computed at its first collective, when every
+        unit of its model exists)."""
+        if self._identity is None:
+            module = self.modules[0]
+            self._identity = unit_identity(self.runtime.path_of(self), user_class_name(module),
+                                           [(p.name, p.orig_shape) for p in self.params])
+        return self._identity
+
+    def order_tag(self, kind: int, agree: bool = True):
+        """The tag this unit's collective ``kind`` carries (None: no check, or strict mode, which
+        agrees over the world here, before the collective, when ``agree``)."""
+        if not self._order_on:
+            return None
+        if self._strict is not None:
+            if agree:
+                self._strict.agree(tag_of(self.order_identity, kind))
+            return None
+        tag = self._tags.get(kind)
+        if tag is None:
+            tag = self._tags[kind] = UnitTag(self.runtime.order_flag,
+                                             tag_of(self.order_identity, kind))
+        return tag
+
+    def forget_order_tags(self) -> None:
+        """The runtime replaced its order flag: tags are made anew on it."""
+        self._tags = {}
 
     # -- what the runtime and other units ask -----------------------------------------------------
     @property
@@ -257,13 +295,12 @@ class HSDPUnitState:
 
 def _weakly(method):
     """``method`` (bound to a unit) called through a weak reference: a part of the unit holding
-    it does not keep the unit alive (a dropped unit's call does nothing)."""
+    it does not keep the unit alive (a dropped unit's call does nothing and gives None)."""
     ref = weakref.WeakMethod(method)
 
     def call(*args):
         bound = ref()
-        if bound is not None:
-            bound(*args)
+        return None if bound is None else bound(*args)
     return call
 
 

@@ -25,11 +25,12 @@ class UnitMemory:
     """Gathers, holds, installs and releases the full parameters of one unit."""
 
     def __init__(self, params: list[MindSporeHSDPParamV2], reducer: GradReducer,
-                 agree: Callable[[int], None]):
-        """``agree(kind)``: every rank agrees on the collective before it launches (:mod:`.order`)."""
+                 order_tag: Callable[[int], object]):
+        """``order_tag(kind)``: the unit-order tag the collective carries, or None (strict mode
+        agrees inside that call, before the collective launches; :mod:`.order`)."""
         self.params = params
         self.reducer = reducer
-        self._agree = agree
+        self._order_tag = order_tag
         self._buffers: list[Optional[GatheredParam]] = [None] * len(params)
         self.prefetched: Optional[PendingGather] = None
         self._poison = reducer.pool.poison_on_release
@@ -82,11 +83,15 @@ class UnitMemory:
         return self._buffers[index]
 
     def _launch_gather(self, local_params) -> PendingGather:
-        self._agree(GATHER)
         return launch_all_gather(self.params, list(local_params), self.reducer.pool,
                                  fused=self.reducer.config.comm_fusion,
                                  host=self.reducer.config.host_copies,
-                                 buffers=[self._buffer(i) for i in range(len(self.params))])
+                                 buffers=[self._buffer(i) for i in range(len(self.params))],
+                                 tag=self._order_tag(GATHER) if self._gathers() else None)
+
+    def _gathers(self) -> bool:
+        """Some parameter of the unit is gathered from other ranks (a collective runs)."""
+        return any(not p.replicate and p.world_size > 1 for p in self.params)
 
     def prefetch(self) -> None:
         """Launch the all-gathers now, unless one is launched already."""

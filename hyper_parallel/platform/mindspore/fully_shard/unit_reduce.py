@@ -59,9 +59,10 @@ class UnitReduce:
 
     def __init__(self, params: list[MindSporeHSDPParamV2], reducer: GradReducer, mp_policy,
                  settings: UnitSettings, runtime, async_reduce: bool,
-                 agree: Callable[[int], None], owner):
+                 order_tag: Callable[..., object], owner):
         """``async_reduce``: leave each backward's reduce in flight (main_grad mode only).
-        ``agree(kind)``: every rank agrees on the collective before it runs (:mod:`.order`).
+        ``order_tag(kind, agree=True)``: the unit-order tag the reduce carries, or None (strict
+        mode agrees inside that call when ``agree``; :mod:`.order`).
         ``owner``: the unit, as the runtime's in-flight list holds it (it lands the reduce
         through ``owner.finish_async_reduce()``); held weakly, as the runtime does: the unit
         owns this path."""
@@ -72,7 +73,7 @@ class UnitReduce:
         self.runtime = runtime
         self.async_reduce = async_reduce
         self.async_stats = AsyncReduceStats()
-        self._agree = agree
+        self._order_tag = order_tag
         self._owner = weakref.ref(owner)
         self._pending: tuple[list[PackedBucket], list[PackedBucket]] | None = None
 
@@ -145,6 +146,11 @@ class UnitReduce:
     def _holds_partials(self) -> bool:
         return self.reducer.replicate_comm is not None and not self.settings.requires_all_reduce
 
+    @property
+    def keeps_partials(self) -> bool:
+        """HSDP with ``set_requires_all_reduce(False)``: the backward keeps partial sums."""
+        return self._holds_partials()
+
     def _keep_partials(self) -> tuple:
         """This backward was reduce-scattered in the shard group only: each shard is a replica's
         partial sum, kept (float32, outside the pool) until a backward with the all-reduce adds
@@ -155,13 +161,15 @@ class UnitReduce:
                 param.partial = shard if param.partial is None else mint.add(param.partial, shard)
         return self._zero_grads()
 
-    def _add_partials_and_all_reduce(self, op: str) -> None:
+    def _add_partials_and_all_reduce(self, op: str, tag) -> None:
         """The backward with the all-reduce after ones without: reduce-scatter this backward in
         the shard group, add the kept partials, then all-reduce the sums across the replicas
-        (in pool buckets), so every micro-step's gradient is averaged over the whole mesh."""
+        (in pool buckets), so every micro-step's gradient is averaged over the whole mesh. Both
+        collectives carry ``tag``."""
         totals = []
-        for group, replicated in self._groups(self.params):
-            result = self._reduce_group(group, replicated, op, across=False)
+        for position, (group, replicated) in enumerate(self._groups(self.params)):
+            result = self._reduce_group(group, replicated, op, across=False,
+                                        tag=tag if position == 0 else None)
             for index, param in enumerate(group):
                 shard = result.wait()[index]
                 if tuple(shard.shape) != param.local_shape:
@@ -175,7 +183,7 @@ class UnitReduce:
             param.finish_reduce_input()
         params = [p for p, _ in totals]
         flat = [t.reshape(1) if t.ndim == 0 else t for _, t in totals]
-        _adopt(params, self.reducer.all_reduce_replicas(flat, op=op))
+        _adopt(params, self.reducer.all_reduce_replicas(flat, op=op, tag=tag))
         for param in params:
             param.partial = None
 
@@ -191,12 +199,18 @@ class UnitReduce:
         """``(group, replicated)`` for the non-empty groups of :meth:`_split`, sharded first."""
         return [(group, bool(index)) for index, group in enumerate(self._split(params)) if group]
 
-    def _reduce_group(self, group, replicated: bool, op: str, across: bool):
+    def _reduce_group(self, group, replicated: bool, op: str, across: bool, tag=None):
         grads = [p.unsharded_grad for p in group]
         if replicated:
-            return self.reducer.all_reduce(grads, op=op, across_replicas=across)
+            return self.reducer.all_reduce(grads, op=op, across_replicas=across, tag=tag)
         return self.reducer.reduce_scatter(grads, [p.shard_dim for p in group], op=op,
-                                           across_replicas=across)
+                                           across_replicas=across, tag=tag)
+
+    def _tag(self, agree: bool = True):
+        """The unit-order tag of this unit's reduce, when the reduce is a collective."""
+        if self.reducer.comm.world_size == 1 and self.reducer.replicate_comm is None:
+            return None
+        return self._order_tag(REDUCE, agree)
 
     def _wire_op(self) -> str:
         """The reducer's op: a divide factor replaces the op's own division by a plain sum."""
@@ -215,18 +229,19 @@ class UnitReduce:
         so far) to the reducer once per group (sharded, replicated), and let each parameter adopt
         its entry of the result. Fused or not is the reducer's grouping. ``op`` was checked where
         it came in (``set_reduce_op``, ``reduce_scatter_grad``)."""
-        self._agree(REDUCE)
+        tag = self._tag()
         for param in params:
             param.clear_reduce_scatter_output()
         across = self.settings.requires_all_reduce
         if across and any(p.partial is not None for p in params) and self._pending is None:
-            self._add_partials_and_all_reduce(op)
+            self._add_partials_and_all_reduce(op, tag)
             return
         if self._pending is not None and params == self.params:
-            self._launch_accumulated(params, op, across)
+            self._launch_accumulated(params, op, across)     # its buckets carry the tag
             return
-        for group, replicated in self._groups(params):
-            _adopt(group, self._reduce_group(group, replicated, op, across))
+        for position, (group, replicated) in enumerate(self._groups(params)):
+            _adopt(group, self._reduce_group(group, replicated, op, across,
+                                             tag=tag if position == 0 else None))
 
     def _launch_accumulated(self, params, op: str, across: bool) -> None:
         """The last micro-step: add its gradients into the unit's buckets and reduce them."""
@@ -249,14 +264,17 @@ class UnitReduce:
         """Pack the sharded and the replicated gradients into buckets of their own (never
         borrowed: later micro-steps add into them); on failure give back what was packed."""
         packed: tuple[list, list] = ([], [])
+        tag = self._tag(agree=False)     # filled when the last micro-step launches the buckets
         try:
-            for group, replicated in self._groups(params):
+            for position, (group, replicated) in enumerate(self._groups(params)):
                 grads = [p.unsharded_grad for p in group]
+                group_tag = tag if position == 0 else None
                 if replicated:
-                    packed[1].extend(self.reducer.pack(grads, world_size=1, allow_borrow=False))
+                    packed[1].extend(self.reducer.pack(grads, world_size=1, allow_borrow=False,
+                                                       tag=group_tag))
                 else:
                     packed[0].extend(self.reducer.pack(grads, [p.shard_dim for p in group],
-                                                       allow_borrow=False))
+                                                       allow_borrow=False, tag=group_tag))
         except BaseException:
             self.discard(packed)
             raise
