@@ -15,23 +15,17 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import numpy as np
+
+from benchmarks.copyin_api import stepped
 
 NEVER = 1 << 62
 
 
 def _stepped(calls: dict, rounds: int) -> dict:
-    for call in calls.values():
-        call()
-    samples = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in samples.items()}
+    """Each call's median seconds, the calls stepped in turn (:func:`benchmarks.copyin_api.stepped`)."""
+    return {name: statistics.median(values) for name, values in stepped(calls, rounds).items()}
 
 
 def one_size(mib: float, rounds: int, runs: int) -> dict:
