@@ -29,7 +29,7 @@ reduce-scattered. Full recompute runs each layer's forward dispatch again in its
 The unit-order check (``gradpool.check_unit_order``, on by default) adds no row: each unit's
 all-gather and reduce carry its tag in a few elements at the end of every rank's row (49 per
 row of one bucket per unit collective), and the host reads one flag per step. Its ``strict``
-mode would add a 4-byte all-gather over the world before every unit collective (a note says so).
+mode would add a small all-reduce over the world before every unit collective (a note says so).
 """
 from __future__ import annotations
 
@@ -183,7 +183,7 @@ def plan_comm(cfg: RunConfig, geo: _Geometry, intra_gbps: Optional[float],
 def _unit_order_note(mode, unit_collectives: int) -> str:
     """What the unit-order check costs, in words (it adds no row: see the module's doc)."""
     if mode == "strict":
-        return (f"check_unit_order: strict adds a 4-byte all-gather over the world, read on the "
+        return (f"check_unit_order: strict adds a small all-reduce over the world, read on the "
                 f"host, before each of the {unit_collectives:,} unit collectives (not in the rows)")
     if mode:
         return ("check_unit_order: no collective of its own; each unit collective carries its "

@@ -23,8 +23,8 @@ no host read per unit. It finds every mismatch whose collectives complete (the s
 one that hangs (different sizes) needs the strict mode.
 
 **Strict mode** (``check_unit_order="strict"``, :class:`UnitOrderCheck`): before each all-gather
-and each reduce, every rank of the job all-gathers the tag over the world and reads it on the
-host, so a mismatch is refused before the collective that would hang. A world collective and a
+and each reduce, every rank of the job exchanges the tag over the world (one small all-reduce,
+:func:`gradpool.exchange_ints`) and reads it on the host, so a mismatch is refused before the collective that would hang. A world collective and a
 host wait per unit collective: for hunting a hang, not for training.
 """
 from __future__ import annotations
@@ -32,11 +32,9 @@ from __future__ import annotations
 import hashlib
 from typing import Callable, Optional, Sequence
 
-import mindspore as ms
 import numpy as np
-from mindspore import mint
 
-from gradpool import UnsupportedPatternError
+from gradpool import UnsupportedPatternError, exchange_ints
 
 GATHER, REDUCE = 0, 1
 _KIND_NAMES = {GATHER: "all-gather", REDUCE: "reduce"}
@@ -108,9 +106,6 @@ class UnitOrderCheck:
         :class:`UnsupportedPatternError` saying what each was about to run."""
         if self.comm.world_size == 1:
             return
-        send = ms.Tensor(np.array([tag], np.float32))
-        received = mint.zeros(self.comm.world_size, dtype=ms.float32)
-        self.comm.all_gather(received, send).wait()
-        tags = [int(value) for value in received.asnumpy()]
+        tags = [int(value) for value in exchange_ints(self.comm, [tag])[:, 0]]
         if any(tag != tags[0] for tag in tags):
             raise UnsupportedPatternError(disagreement_message(tags, self.describe))

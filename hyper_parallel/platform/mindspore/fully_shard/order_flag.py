@@ -18,10 +18,9 @@ import logging
 from typing import Callable, Optional
 
 import mindspore as ms
-import numpy as np
 from mindspore import mint, ops
 
-from gradpool import UnsupportedPatternError
+from gradpool import UnsupportedPatternError, exchange_ints
 from hyper_parallel.platform.mindspore.fully_shard.order import (FLAG_SLOT, REDUCE, TAG_BITS,
                                                                  TAG_NUMEL, disagreement_message,
                                                                  tag_slots)
@@ -98,7 +97,7 @@ class OrderFlag:
 
     def describe_failure(self, world_comm, describe: Callable[[int], str]) -> str:
         """The failure path: every rank's recorded tags, exchanged over ``world_comm`` (two
-        all-gathers, only here), and the first collective where they differ."""
+        small all-reduces, only here), and the first collective where they differ."""
         sequences = exchange_sequences(world_comm, self.recorded)
         longest = max(len(seq) for seq in sequences)
         for position in range(longest):
@@ -116,19 +115,14 @@ def read_order_flag(flag: ms.Tensor) -> float:
 
 
 def exchange_sequences(world_comm, recorded: list[int]) -> list[list[int]]:
-    """Every rank's ``recorded`` tags (float32 on the wire: tags are below 2 ** 24)."""
-    world = world_comm.world_size
-    if world == 1:
+    """Every rank's ``recorded`` tags (:func:`gradpool.exchange_ints`: the lengths, then the
+    tags padded to the longest)."""
+    if world_comm.world_size == 1:
         return [list(recorded)]
-    lengths = mint.zeros(world, dtype=ms.float32)
-    world_comm.all_gather(lengths, ms.Tensor(np.array([len(recorded)], np.float32))).wait()
-    sizes = [int(n) for n in lengths.asnumpy()]
+    sizes = [int(n) for n in exchange_ints(world_comm, [len(recorded)])[:, 0]]
     width = max(max(sizes), 1)
-    mine = np.full(width, -1, np.float32)
-    mine[:len(recorded)] = recorded
-    received = mint.zeros(world * width, dtype=ms.float32)
-    world_comm.all_gather(received, ms.Tensor(mine)).wait()
-    rows = received.asnumpy().reshape(world, width)
+    mine = list(recorded) + [-1] * (width - len(recorded))
+    rows = exchange_ints(world_comm, mine)
     return [[int(tag) for tag in row[:size]] for row, size in zip(rows, sizes)]
 
 
