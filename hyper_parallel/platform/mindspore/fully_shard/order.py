@@ -38,8 +38,9 @@ from gradpool import UnsupportedPatternError, exchange_ints
 
 GATHER, REDUCE = 0, 1
 _KIND_NAMES = {GATHER: "all-gather", REDUCE: "reduce"}
-# A unit's identity: IDENTITY_BITS bits of a hash; a tag adds the kind. Tags travel as float32 on
-# the failure path and in strict mode (exact below 2 ** 24).
+# A unit's identity: IDENTITY_BITS bits of a hash; a tag adds the kind. Each tag bit costs two
+# elements of a bucket row's tail, so the tag is kept short (a collision needs two different units
+# at the same collective with equal 23-bit hashes).
 IDENTITY_BITS = 23
 TAG_BITS = IDENTITY_BITS + 1
 # The values a tag takes in a bucket row: TAG_BITS pairs (bit, 1 - bit), then the flag slot.
