@@ -55,7 +55,6 @@ class FullyShardRuntime:
         self.replaced_parameters = False           # fully_shard swapped some since the last forward
         self.backward_pass: Optional[int] = None   # engine whose end-of-backward is queued
         self.backward_units: dict = {}             # id -> ref: units that ran in that pass
-        self.registered = 0                        # units ever registered: the next one's index
         self.order_check: Optional[UnitOrderCheck] = None   # strict mode: made on first use
         self.order_flag = OrderFlag()              # the default check's per-step flag
         self.world_comm = None                     # over which a mismatch is described
@@ -65,11 +64,9 @@ class FullyShardRuntime:
 
     # -- registry ---------------------------------------------------------------------------------
     def register(self, unit) -> None:
-        """Keep ``unit`` (weakly) and give it its index (the order this process made it in:
-        not the same on every rank when a rank builds another model first, so it names nothing
-        across ranks; :mod:`.order` names units by :attr:`order_identity`)."""
-        unit.index = self.registered
-        self.registered += 1
+        """Keep ``unit`` (weakly). No registration number: the order a process made its units
+        in differs between ranks when one builds another model first (:mod:`.order` names units
+        by :attr:`order_identity`)."""
         self._units.append(weakref.ref(unit))
 
     def unit_order_check(self, world_comm) -> UnitOrderCheck:

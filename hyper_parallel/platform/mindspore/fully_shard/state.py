@@ -95,7 +95,6 @@ class HSDPUnitState:
         every collective agreed before it runs (:mod:`.order`); None: no check."""
         self._modules = [weakref.ref(module) for module in modules]
         self.runtime = runtime
-        self.index = -1                       # set by runtime.register (registration order)
         self._identity: Optional[int] = None  # set on first use (:meth:`order_identity`)
         self._tags: dict = {}                 # kind -> UnitTag
         self._strict = None
