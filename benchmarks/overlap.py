@@ -48,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -73,6 +73,8 @@ class OverlapOptions:
     steps: int = 10                    # timed step pairs per model (after one warm-up pair)
     latency_ms: Optional[float] = None    # None: one layer's backward compute, measured
     hsdp: bool = False                 # a (2, W/2) mesh; the replicate all-reduce carries L
+    batch_size: Optional[int] = None   # sequences per rank (None: the config's)
+    seq_len: Optional[int] = None      # tokens per sequence (None: the config's)
 
     @classmethod
     def quick(cls) -> "OverlapOptions":
@@ -80,6 +82,10 @@ class OverlapOptions:
 
     def overrides(self, world: int) -> list:
         out = BASE + [f"model.num_layers={self.layers}", f"launch.ranks={world}"]
+        if self.batch_size is not None:
+            out.append(f"model.batch_size={self.batch_size}")
+        if self.seq_len is not None:
+            out.append(f"model.seq_len={self.seq_len}")
         if self.hsdp:
             out += [f"fully_shard.mesh_shape=[2, {world // 2}]",
                     "fully_shard.mesh_dim_names=[dp_replicate, fsdp]"]
@@ -371,7 +377,9 @@ def run_launched(options: OverlapOptions, ranks: int, work: Path) -> OverlapResu
     out = work / "result.json"
     args = ["--rank-side", str(out), "--layers", str(options.layers), "--steps",
             str(options.steps)] + (["--hsdp"] if options.hsdp else []) + (
-        ["--latency-ms", str(options.latency_ms)] if options.latency_ms is not None else [])
+        ["--latency-ms", str(options.latency_ms)] if options.latency_ms is not None else []) + (
+        ["--batch-size", str(options.batch_size)] if options.batch_size is not None else []) + (
+        ["--seq-len", str(options.seq_len)] if options.seq_len is not None else [])
     run_ranks(Path(__file__), args=args, nproc=ranks, log_dir=work / "logs", timeout=3600)
     return OverlapResult.from_json(json.loads(out.read_text()))
 
@@ -388,13 +396,18 @@ def main(argv=None) -> int:
     parser.add_argument("--latency-ms", type=float, default=None,
                         help="default: one layer's backward compute, measured in the first run "
                              "and kept for the others")
+    parser.add_argument("--batch-size", type=int, default=OverlapOptions.batch_size,
+                        help="sequences per rank (more: more backward compute per layer)")
+    parser.add_argument("--seq-len", type=int, default=OverlapOptions.seq_len,
+                        help="tokens per sequence")
     parser.add_argument("--out", type=Path, default=None,
                         help="also append the result as Markdown to this file")
     parser.add_argument("--rank-side", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     base = OverlapOptions.quick() if args.quick else OverlapOptions()
     options = OverlapOptions(layers=args.layers, latency_ms=args.latency_ms, hsdp=args.hsdp,
-                             steps=args.steps if args.steps is not None else base.steps)
+                             steps=args.steps if args.steps is not None else base.steps,
+                             batch_size=args.batch_size, seq_len=args.seq_len)
     if args.rank_side is not None:
         _rank_side(args.rank_side, options)
         return 0
@@ -405,9 +418,7 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix="gradpool-overlap-") as work:
             result = run_launched(options, args.ranks, Path(work))
         if options.latency_ms is None:      # the later runs take the first run's latency
-            options = OverlapOptions(layers=options.layers, steps=options.steps,
-                                     hsdp=options.hsdp,
-                                     latency_ms=round(result.latency_seconds * 1e3, 1))
+            options = replace(options, latency_ms=round(result.latency_seconds * 1e3, 1))
         results.append(result)
         for line in report_lines(result, f"overlap run {index + 1}"):
             print(line, flush=True)
