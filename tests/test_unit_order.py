@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from gradpool import GradPoolConfig
-from hyper_parallel.platform.mindspore.fully_shard.order import (FLAG_SLOT, GATHER, IDENTITY_BITS,
-                                                                 REDUCE, TAG_BITS, TAG_NUMEL,
-                                                                 disagreement_message, tag_of,
-                                                                 tag_slots, unit_and_kind,
+from hyper_parallel.platform.mindspore.fully_shard.order import (GATHER, IDENTITY_BITS, REDUCE,
+                                                                 TAG_BITS, TAG_NUMEL,
+                                                                 disagreement_message, flag_mask,
+                                                                 tag_of, tag_slots, unit_and_kind,
                                                                  unit_identity)
 from hyper_parallel.platform.mindspore.fully_shard.order_flag import OrderFlag, UnitTag
 
@@ -37,37 +37,48 @@ def test_identity_comes_from_path_class_and_parameters_not_from_an_order():
     assert same not in others and len(others) == 4
 
 
-def _summed(tags, dtype, world_op):
-    """What a reduce of each rank's tag slots gives, in ``dtype``, summed in rank order with
-    rounding at every add (as a ring would), averaged when ``world_op == "avg"``."""
+def _summed(tags, dtype, world_op, flags=None):
+    """What a reduce of each rank's tag values gives, in ``dtype``, summed in rank order with
+    rounding at every add (as a ring would), averaged when ``world_op == "avg"``. ``flags``:
+    each rank's raised flag (a count), added to its last pair as the ranks send it."""
+    flags = flags if flags is not None else [0] * len(tags)
     total = np.zeros(TAG_NUMEL, dtype)
-    for tag in tags:
-        total = (total.astype(np.float32) + tag_slots(tag)).astype(dtype)
+    for tag, flag in zip(tags, flags):
+        sent = (tag_slots(tag) + flag * flag_mask()).astype(dtype).astype(np.float32)
+        total = (total.astype(np.float32) + sent).astype(dtype)
     if world_op == "avg":
         total = (total.astype(np.float32) / len(tags)).astype(dtype)
     return total
 
 
+def _pair_minima(total) -> np.ndarray:
+    pairs = total.astype(np.float32).reshape(TAG_BITS, 2)
+    return np.minimum(pairs[:, 0], pairs[:, 1])
+
+
 @settings(max_examples=40, deadline=None)
 @given(identities, identities, st.integers(2, 4096), st.sampled_from(["sum", "avg"]),
-       st.sampled_from([np.float32, np.float16, ml_dtypes.bfloat16]))
+       st.sampled_from([np.float32, np.float16, ml_dtypes.bfloat16]),
+       st.sampled_from([0, 1, 7, 70000]))
 def test_a_reduce_of_the_tags_shows_a_mismatch_in_every_dtype_at_any_world_size(
-        first, second, world, op, dtype):
-    """Sums of 0/1 values are zero only when every value is: a pair with both sums nonzero
-    exactly when two ranks sent different bits, whatever the rounding (float16, bfloat16,
-    thousands of ranks, sum or average)."""
-    same = _summed([tag_of(first, GATHER)] * world, dtype, op).astype(np.float32)
-    pairs = same[:FLAG_SLOT].reshape(TAG_BITS, 2)
-    assert not np.minimum(pairs[:, 0], pairs[:, 1]).any()
+        first, second, world, op, dtype, flag):
+    """Sums of values >= 0 are zero only when every value is: a pair with both sums nonzero
+    exactly when two ranks sent different bits, or a rank raised its flag, whatever the rounding
+    (float16, bfloat16, thousands of ranks, sum or average; a count past float16's range goes
+    to infinity, still nonzero)."""
+    same = _summed([tag_of(first, GATHER)] * world, dtype, op)
+    assert not _pair_minima(same).any()
     tags = [tag_of(first, REDUCE)] * (world - 1) + [tag_of(second, REDUCE)]
-    mixed = _summed(tags, dtype, op).astype(np.float32)[:FLAG_SLOT].reshape(TAG_BITS, 2)
-    assert np.minimum(mixed[:, 0], mixed[:, 1]).any() == (first != second)
+    mixed = _summed(tags, dtype, op)
+    assert _pair_minima(mixed).any() == (first != second)
+    flagged = _summed([tag_of(first, REDUCE)] * world, dtype, op, [0] * (world - 1) + [flag])
+    assert _pair_minima(flagged).any() == (flag > 0)
 
 
 @pytest.mark.parametrize("dtype", [ms.float32, ms.bfloat16])
 def test_the_device_comparison_reads_what_numpy_sums_say(dtype):
     """OrderFlag on the device, fed what a reduce or an all-gather of two ranks' tail would
-    hold: a mismatch only when the tags differ or a sender's flag slot is set; one read."""
+    hold: a mismatch only when the tags differ or a sender raised its flag; one read."""
     flag = OrderFlag()
     a, b = UnitTag(flag, tag_of(5, REDUCE)), UnitTag(flag, tag_of(9, REDUCE))
 
@@ -87,11 +98,19 @@ def test_the_device_comparison_reads_what_numpy_sums_say(dtype):
                                b.values(ms.float32).asnumpy()])).astype(dtype)
     a.check_gathered(rows)
     assert flag.read() is True
-    # a flag set on one rank travels in the flag slot: the next collective shows it
-    flag.check_gathered(rows, ms.Tensor(tag_slots(a.tag)[:FLAG_SLOT]))
-    assert a.values(ms.float32).asnumpy()[FLAG_SLOT] == 1
-    flag.read()
-    assert a.values(ms.float32).asnumpy()[FLAG_SLOT] == 0
+    # a flag raised on one rank travels on its tag's last pair: the next collective shows it
+    a.check_gathered(rows)
+    sent = a.values(ms.float32).asnumpy()
+    np.testing.assert_array_equal(sent, tag_slots(a.tag) + flag_mask())
+    a.check_gathered(ms.Tensor(np.stack([tag_slots(a.tag), sent])).astype(dtype))
+    flag.check_reduced(ms.Tensor(tag_slots(a.tag) + sent).astype(dtype))
+    sent = a.values(ms.float32).asnumpy()
+    np.testing.assert_array_equal(sent, tag_slots(a.tag) + 3 * flag_mask())    # a count
+    assert flag.read() is True
+    np.testing.assert_array_equal(a.values(ms.float32).asnumpy(), tag_slots(a.tag))
+    a.check_gathered(ms.Tensor(np.stack([tag_slots(a.tag)] * 2)).astype(dtype))
+    flag.check_reduced(ms.Tensor(2 * tag_slots(a.tag)).astype(dtype))
+    assert flag.read() is False
 
 
 def test_a_tag_is_recorded_once_per_collective_launch():

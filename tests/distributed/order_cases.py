@@ -174,8 +174,8 @@ def ranks_differ_only_in_the_kind_of_collective(ctx) -> dict:
 def gather_carries_another_units_tag(ctx, mesh=None) -> dict:
     """On the last rank unit ``a``'s all-gathers carry unit ``b``'s tag, its reduce its own:
     only the gathers disagree (on an HSDP ``mesh`` only inside the last shard group, whose
-    mismatch reaches the other group through the flag slot of the reduces and the replicate
-    all-reduce). Refused on every rank, naming the all-gathers; the next step runs."""
+    mismatch reaches the other group through the flag the reduces and the replicate all-reduce
+    carry on each tag's last pair). Refused on every rank, naming the all-gathers; the next step runs."""
     config = GradPoolConfig(async_reduce=True)
     model = _sharded(pc.Net(), "main_async", config, mesh=mesh)
     grad_fn = ms.value_and_grad(lambda x: pc.loss_of(model, x), None, model.trainable_params())

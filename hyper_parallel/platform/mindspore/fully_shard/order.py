@@ -11,8 +11,8 @@ of collective (all-gather or reduce). Every rank computes the same tag for the s
 many other sharded models a process built before (an evaluation copy, a teacher).
 
 **The default check rides inside the unit's own collectives** (:mod:`.order_flag`): each tag is
-sent as ``TAG_BITS`` pairs of values ``(bit, 1 - bit)``, plus one slot carrying the sender's
-mismatch flag. In an all-gather every rank's row arrives as sent, so each rank compares every row
+sent as ``TAG_BITS`` pairs of values ``(bit, 1 - bit)``; the sender's mismatch flag (0, or how many
+collectives disagreed) is added to both values of the last pair. In an all-gather every rank's row arrives as sent, so each rank compares every row
 with its own; in a reduce (sum or average) every rank writes its pairs into every row, and a pair
 whose two sums are both nonzero proves two ranks sent different bits (sums of values >= 0 are
 zero only when all are: no rounding can hide it, in any float dtype at any world size). The
@@ -43,9 +43,10 @@ _KIND_NAMES = {GATHER: "all-gather", REDUCE: "reduce"}
 # at the same collective with equal 23-bit hashes).
 IDENTITY_BITS = 23
 TAG_BITS = IDENTITY_BITS + 1
-# The values a tag takes in a bucket row: TAG_BITS pairs (bit, 1 - bit), then the flag slot.
-TAG_NUMEL = 2 * TAG_BITS + 1
-FLAG_SLOT = 2 * TAG_BITS
+# The values a tag takes in a bucket row: TAG_BITS pairs (bit, 1 - bit). The sender's flag rides
+# on both values of the last pair rather than in a slot of its own: the device comparison is then
+# one min over pairs (reduce) or one sum of differences (all-gather), a few ops per collective.
+TAG_NUMEL = 2 * TAG_BITS
 
 
 def unit_identity(path: str, class_name: str, params: Sequence[tuple[str, tuple]]) -> int:
@@ -68,12 +69,20 @@ def unit_and_kind(tag: int) -> tuple[int, int]:
 
 
 def tag_slots(tag: int) -> np.ndarray:
-    """The ``TAG_NUMEL`` values (float32) a tag is sent as: ``(bit, 1 - bit)`` per bit, low bit
-    first, then the flag slot (0 here: the sender's flag is written there on the device)."""
+    """The ``TAG_NUMEL`` values (float32) a tag is sent as with no flag raised: ``(bit, 1 - bit)``
+    per bit, low bit first."""
     bits = np.array([(tag >> b) & 1 for b in range(TAG_BITS)], np.float32)
     slots = np.zeros(TAG_NUMEL, np.float32)
-    slots[0:FLAG_SLOT:2], slots[1:FLAG_SLOT:2] = bits, 1 - bits
+    slots[0::2], slots[1::2] = bits, 1 - bits
     return slots
+
+
+def flag_mask() -> np.ndarray:
+    """Where the sender's flag is added to a tag's values: both values of the last pair (a flag
+    > 0 makes both of that pair's sums nonzero in a reduce, and a gathered row differ)."""
+    mask = np.zeros(TAG_NUMEL, np.float32)
+    mask[-2:] = 1
+    return mask
 
 
 def disagreement_message(tags: list[Optional[int]], describe: Callable[[int], str]) -> str:

@@ -2,12 +2,14 @@
 unit collective carries, the comparison after it, the per-step mismatch flag, and its one host
 read per step.
 
-The flag is a float32 tensor of one element, 0 while every tagged collective agreed and 1 once
-one did not; every comparison updates it with queued device ops (``maximum``), never read on the
-host until :meth:`OrderFlag.read`. Each tagged bucket also carries the sender's flag in its flag
-slot, summed (reduce) or gathered with the rest: a mismatch one group of ranks saw reaches the
-ranks of every group its later collectives cross (HSDP: the replicate all-reduce carries it, so a
-mismatch inside one shard group stops the other groups too).
+The flag is a 0-d float32 tensor counting the tagged collectives that disagreed (0 while all
+agreed); every comparison adds to it with queued device ops (the sign of its evidence), never read
+on the host until :meth:`OrderFlag.read`. Each tagged bucket also carries the sender's flag, added
+to both values of the tag's last pair, summed (reduce) or gathered with the rest: a mismatch one
+group of ranks saw reaches the ranks of every group its later collectives cross (HSDP: the
+replicate all-reduce carries it, so a mismatch inside one shard group stops the other groups too).
+A count, not a sum of evidence: a flag of at least 1 stays representable once averaged over
+thousands of ranks in float16.
 
 On the host each rank only records which tags it sent (a list of ints); the failure path alone
 exchanges those lists over the world to say what each rank ran.
@@ -18,11 +20,11 @@ import logging
 from typing import Callable, Optional
 
 import mindspore as ms
-from mindspore import mint, ops
+from mindspore import mint
 
 from gradpool import UnsupportedPatternError, exchange_ints
-from hyper_parallel.platform.mindspore.fully_shard.order import (FLAG_SLOT, REDUCE, TAG_BITS,
-                                                                 TAG_NUMEL, disagreement_message,
+from hyper_parallel.platform.mindspore.fully_shard.order import (REDUCE, TAG_BITS, TAG_NUMEL,
+                                                                 disagreement_message, flag_mask,
                                                                  tag_slots)
 
 logger = logging.getLogger(__name__)
@@ -38,7 +40,6 @@ class OrderFlag:
         self._flag: Optional[ms.Tensor] = None   # None: nothing compared since the last read
         self.recorded: list[int] = []
         self.reduced = False                     # a tagged reduce ran since the last read
-        self._zeros: dict = {}
 
     # -- what a tagged collective sends -----------------------------------------------------------
     def sent(self, tag: int, reduce: bool) -> None:
@@ -47,37 +48,29 @@ class OrderFlag:
             self.recorded.append(tag)
         self.reduced = self.reduced or reduce
 
-    def slot_value(self, dtype) -> ms.Tensor:
-        """What this rank writes in a bucket's flag slot: its flag (0 or 1), in ``dtype``."""
-        if self._flag is None:
-            zeros = self._zeros.get(dtype)
-            if zeros is None:
-                zeros = self._zeros[dtype] = mint.zeros((1,), dtype=dtype)
-            return zeros
-        return self._flag.astype(dtype) if dtype != ms.float32 else self._flag
+    @property
+    def value(self) -> Optional[ms.Tensor]:
+        """The flag (0-d float32, on the device) or None while nothing was compared."""
+        return self._flag
 
     # -- comparisons (queued device ops) ----------------------------------------------------------
     def check_reduced(self, sums: ms.Tensor) -> None:
         """``sums``: a reduced tail (sums or averages over the ranks of what each sent). A pair
-        whose two sums are both nonzero, or a nonzero flag slot, is a mismatch."""
+        whose two sums are both nonzero is a mismatch (or a sender's raised flag)."""
+        # float32: MindSpore's CPU ReduceMin has no bfloat16 kernel
         sums = sums.astype(ms.float32) if sums.dtype != ms.float32 else sums
-        # slices only: an int index failed in MindSpore 2.10's getitem after a discarded grad
-        # graph ("Only support integers ... but got 48 with type <class 'int'>")
-        pairs = sums[:FLAG_SLOT].reshape(TAG_BITS, 2)
-        both = ops.minimum(pairs[:, 0:1], pairs[:, 1:2]).sum() + sums[FLAG_SLOT:].sum()
-        self._raise_to(both)
+        self._raise_to(mint.amin(sums.reshape(TAG_BITS, 2), 1).sum())
 
     def check_gathered(self, rows: ms.Tensor, own: ms.Tensor) -> None:
         """``rows``: every rank's tail of an all-gather (``[W, TAG_NUMEL]``); ``own``: the tag
-        values this rank sent (float32). A row whose pairs differ from ``own``, or a nonzero flag
-        slot, is a mismatch."""
+        values this rank sent with no flag raised (float32). A row that differs from ``own`` is
+        a mismatch (or a sender's raised flag)."""
         rows = rows.astype(ms.float32) if rows.dtype != ms.float32 else rows
-        differ = mint.abs(rows[:, :FLAG_SLOT] - own[:FLAG_SLOT]).sum() + rows[:, FLAG_SLOT:].sum()
-        self._raise_to(differ)
+        self._raise_to(mint.abs(rows - own).sum())
 
     def _raise_to(self, evidence: ms.Tensor) -> None:
-        seen = (evidence > 0).astype(ms.float32).reshape(1)
-        self._flag = seen if self._flag is None else mint.maximum(self._flag, seen)
+        seen = mint.sign(evidence)      # evidence >= 0: 1 when this collective disagreed, else 0
+        self._flag = seen if self._flag is None else mint.add(self._flag, seen)
 
     # -- the one host read per step ---------------------------------------------------------------
     @property
@@ -111,7 +104,7 @@ class OrderFlag:
 
 def read_order_flag(flag: ms.Tensor) -> float:
     """The host read of the flag (named, so a count of host reads can tell it apart)."""
-    return float(flag.asnumpy()[0])
+    return float(flag.asnumpy().reshape(-1)[0])
 
 
 def exchange_sequences(world_comm, recorded: list[int]) -> list[list[int]]:
@@ -132,26 +125,34 @@ class UnitTag:
 
     numel = TAG_NUMEL
 
+    _mask: Optional[ms.Tensor] = None      # flag_mask(), float32, made once per process
+
     def __init__(self, flag: OrderFlag, tag: int):
         self.flag = flag
         self.tag = tag
-        self._slots = tag_slots(tag)
-        self._constants: dict = {}
+        self._constants: dict = {ms.float32: ms.Tensor(tag_slots(tag))}
 
     def _constant(self, dtype) -> ms.Tensor:
         constant = self._constants.get(dtype)
         if constant is None:
-            constant = self._constants[dtype] = ms.Tensor(self._slots[:FLAG_SLOT]).astype(dtype)
+            constant = self._constants[dtype] = self._constants[ms.float32].astype(dtype)
         return constant
 
     def values(self, dtype) -> ms.Tensor:
-        """The pairs, then this rank's flag, in ``dtype`` (``TAG_NUMEL`` elements): called once
-        per tagged collective, as it is launched (so it is recorded here)."""
+        """The pairs, this rank's flag added to the last one, in ``dtype`` (``TAG_NUMEL``
+        elements): called once per tagged collective, as it is launched (so it is recorded
+        here)."""
         self.flag.sent(self.tag, reduce=self.tag % 2 == REDUCE)
-        return mint.cat([self._constant(dtype), self.flag.slot_value(dtype)])
+        flag = self.flag.value
+        if flag is None:
+            return self._constant(dtype)
+        if UnitTag._mask is None:
+            UnitTag._mask = ms.Tensor(flag_mask())
+        values = mint.add(self._constants[ms.float32], mint.mul(UnitTag._mask, flag))
+        return values.astype(dtype) if dtype != ms.float32 else values
 
     def check_reduced(self, tail: ms.Tensor) -> None:
         self.flag.check_reduced(tail)
 
     def check_gathered(self, rows: ms.Tensor) -> None:
-        self.flag.check_gathered(rows, self._constant(ms.float32))
+        self.flag.check_gathered(rows, self._constants[ms.float32])
