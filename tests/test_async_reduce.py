@@ -159,6 +159,9 @@ def test_a_failed_collective_reaches_value_and_grad_and_the_next_step_works(comm
         grad_fn(batch)
     assert info.value.collective.startswith("reduce_scatter of ")      # named, typed
     assert made[0].launch_counts["reduce_scatter"] > failing     # it failed amid the others
+    # met when a later unit's launch landed it, it waited for the end of backward: every unit
+    # still launched its reduce (every rank runs the same collectives)
+    assert [u.async_stats.launched for u in model._hsdp_units()] == [1, 1, 1]
     assert not RUNTIME.in_flight
     stats = pool.stats()
     # the failed collective's input and output buckets: quarantined, never leased again
