@@ -41,8 +41,8 @@ class GradPoolConfig:
     recycled buckets with NaN (debug). ``max_cached_mib``: cap on the pool's memory (None: none).
     ``verify_gradients``: checksum each gradient on arrival and after its reduce (debug).
     ``async_reduce``: in ``main_grad`` mode (``apply_grad_on_fp32_main_grad``) a unit's backward
-    launches its reduce without waiting (False: it waits), results reaching ``main_grad`` at the
-    end of backward. ``check_unit_order``: every ``fully_shard`` unit collective carries a tag
+    launches its reduce without waiting (False: it waits), results reaching ``main_grad`` when
+    the unit after the next one launches its reduce (the last two at the end of backward). ``check_unit_order``: every ``fully_shard`` unit collective carries a tag
     naming its unit, compared on the device and read once at the end of each backward that
     reduced, so units run in a different order on the ranks are an error naming them, not mixed
     shards (no collective, no host read per unit); ``"strict"``: every rank agrees before each

@@ -284,7 +284,8 @@ def test_the_671b_ep_config_fits_a_64_gib_card_with_activations_and_recompute():
     assert fit.device_memory_bytes == 64 * GIB
     assert fit.uses_recompute and fit.fits and fit.with_recompute_bytes < 64 * GIB
     assert fit.with_activations_bytes > 64 * GIB
-    assert fit.verdict.startswith("with full recompute, 82% of it")   # main_grad lands late
+    # main_grad lands in backward, two units' reduce outputs in flight at most
+    assert fit.verdict.startswith("with full recompute, 59% of it")
     # all-to-all: per layer and phase, the 4096 tokens x 8 routes sent out and back, 63/64 of
     # them to other ranks; with recompute the forward's dispatch runs again
     rows = _rows(plan)

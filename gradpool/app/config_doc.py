@@ -78,7 +78,8 @@ MEANINGS = {
     "gradpool.verify_gradients": "checksum each gradient on arrival and after its reduce",
     "gradpool.async_reduce":
         "with `apply_grad_on_fp32_main_grad`: each unit's reduce is launched in its backward "
-        "and waited once, at the end of backward, into `main_grad` (the gradients "
+        "and waited once into `main_grad` when the unit after the next one launches its reduce "
+        "(the last two at the end of backward; the gradients "
         "`value_and_grad` returns are zeros then); `false`: each reduce completes in its "
         "unit's backward",
     "gradpool.check_unit_order":

@@ -306,6 +306,60 @@ class MainGradWatch:
         }
 
 
+class EarlyLandingWatch:
+    """Watches, at each unit's reduce launch in a backward (main_grad mode, asynchronous reduce),
+    every unit whose reduce was launched two or more launches before in the same step: its reduce
+    must have landed by then, not at the end of backward: each of its parameters' ``main_grad``
+    holds the step's reduced shard (compared with the unsharded reference after the step) and its
+    output bucket is back in the pool (its result released). The launches are the unit's own
+    reduce path's (wrapped; the collectives run for real)."""
+
+    def __init__(self, model):
+        self.launched: list = []        # units whose reduce launched in this step, in order
+        self.seen: list = []            # (launching, earlier, {param: (main_grad copy, bucket back)})
+        self.params = {}
+        for unit in model._hsdp_units():           # pylint: disable=protected-access
+            if unit.params:
+                unit.reduce_path.reduce = self._launch(unit, unit.reduce_path.reduce)
+                self.params.update({p.name: p for p in unit.params})
+
+    @staticmethod
+    def _name(unit) -> str:
+        return unit.params[0].name.split(".")[0]
+
+    def _launch(self, unit, reduce):
+        def watched(params, op):
+            for earlier in self.launched[:-1]:
+                self.seen.append((self._name(unit), self._name(earlier), {
+                    p.name: (None if p.main_grad_held is None else p.main_grad_held.asnumpy().copy(),
+                             p._slot is None)                # pylint: disable=protected-access
+                    for p in earlier.params}))
+            reduce(params, op)
+            self.launched.append(unit)
+        return watched
+
+    def step_checks(self, step: int, want: dict) -> dict:
+        """``want``: parameter name -> the reference's full gradient of the step."""
+        order = [self._name(u) for u in self.launched]
+        expected = [(order[k], order[j]) for k in range(len(order)) for j in range(k - 1)]
+        checks = {
+            f"step {step}: one launch per unit": equal(sorted(order), ["a", "b", "embed", "head"]),
+            f"step {step}: at each launch every reduce launched two or more before has landed": equal(
+                [(a, b, all(g is not None and back for g, back in held.values()))
+                 for a, b, held in self.seen], [(a, b, True) for a, b in expected]),
+        }
+        for launching, earlier, held in self.seen:
+            for name, (got, _) in held.items():
+                if got is None:
+                    continue
+                full = want[name]
+                scale = float(np.abs(full).max(initial=0.0)) or 1.0
+                checks[f"step {step}: {name} landed before {launching} launched"] = allclose(
+                    got, np_local(self.params[name], full), rtol=0.0, atol=GRAD_TOL * scale)
+        self.launched, self.seen = [], []
+        return checks
+
+
 def train_and_compare(ctx, run: Run) -> dict:
     if run.entry == "value_and_grad":
         return _train_and_compare(ctx, run)
@@ -327,6 +381,7 @@ def _train_and_compare(ctx, run: Run) -> dict:
     ref_fn = ms.value_and_grad(lambda x: loss_of(ref, x), None, ref_params)
     pool = runtime_for(config).pool
     watch = MainGradWatch(model) if run.extra.get("watch_main_grad") else None
+    early = EarlyLandingWatch(model) if run.extra.get("watch_early_landing") else None
     reserved = []
     for step in range(STEPS):
         rows = run.seq_lens[step] if run.seq_lens else ROWS
@@ -348,6 +403,8 @@ def _train_and_compare(ctx, run: Run) -> dict:
                                               rows)
         if watch is not None:
             checks.update(watch.after_backward(step, {"b"} if model.skip_b else set()))
+        if early is not None:
+            checks.update(early.step_checks(step, {p.name: g for p, g in zip(params, ref_grads)}))
         if run.entry == "backward":
             if run.mode != "plain":
                 checks[f"step {step}: grad stays None in main_grad mode"] = equal(
@@ -451,6 +508,12 @@ _add("main_grad_allocated_at_its_first_landing",
      Run(skip_b_at=(1,), micro="sync",
          extra={"watch_main_grad": True, "landings": (4 + 3 + 4) * MICRO}),
      ("main_async", "main_sync"))
+
+
+# an asynchronous reduce lands when the unit after the next one launches its own (its output
+# bucket back in the pool), not at the end of backward: with four units the third launch finds
+# the first landed, the fourth the first two
+_add("reduces_land_two_launches_later", Run(extra={"watch_early_landing": True}), ("main_async",))
 
 
 def through_both_entries(fn):

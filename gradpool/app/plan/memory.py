@@ -241,20 +241,21 @@ def _bucket_bytes(geo: _Geometry, pool: _PoolReplay, reduces: list) -> _BucketBy
 
 def _main_grad_in_backward(cfg: RunConfig, geo: _Geometry, main_grad_bytes: int) -> int:
     """What ``main_grad`` holds while the largest unit's backward runs. It is allocated when a
-    unit's first reduced shard lands after ``zero_grad``: with the asynchronous reduce at the
-    end of backward, so none during it; synchronous, in each unit's own backward, so every unit
-    but the running one; and in full when earlier micro-steps landed already (each micro-step
-    reduced, no HSDP partial sums and no accumulation in the units' buckets)."""
+    unit's first reduced shard lands after ``zero_grad``: synchronous, in each unit's own
+    backward, so every unit but the running one; asynchronous, when the unit after the next one
+    launches its reduce, so every unit but the running one and the one before it (counted as
+    large as the running one: the plan does not know the order); and in full when earlier
+    micro-steps landed already (each micro-step reduced, no HSDP partial sums and no
+    accumulation in the units' buckets)."""
     every_micro_step_lands = (cfg.train.micro_steps > 1
                               and not cfg.fully_shard.all_reduce_every_micro_step
                               and geo.replicas == 1)
     if every_micro_step_lands:
         return main_grad_bytes
-    if cfg.gradpool.async_reduce:
-        return 0
     largest = max(geo.units, key=lambda u: u.numel)
     running = sum(slot.chunk_numel for r in largest.reduces for slot in r.layout.slots) * 4
-    return main_grad_bytes - running
+    in_flight = running if cfg.gradpool.async_reduce else 0
+    return max(0, main_grad_bytes - running - in_flight)
 
 
 def _plan_config(cfg: RunConfig) -> PlanConfig:

@@ -130,8 +130,8 @@ class _StepReplay:
         micro = cfg.train.micro_steps
         every = cfg.fully_shard.all_reduce_every_micro_step
         # a unit's output buckets go back in its own backward (synchronous: added into main_grad,
-        # or copied into tensors autograd owns) or when the root's backward drains the reduces
-        # (asynchronous, main_grad mode only)
+        # or copied into tensors autograd owns) or, asynchronous (main_grad mode only), when the
+        # unit after the next one launches its reduce, the last two at the end of backward
         self.main_grad = cfg.fully_shard.apply_grad_on_fp32_main_grad
         self.async_reduce = self.main_grad and cfg.gradpool.async_reduce
         # set_requires_gradient_sync(last): micro-steps packed into the units' buckets, one reduce
@@ -140,7 +140,7 @@ class _StepReplay:
         # (units with replicas only: experts are 1-D over their EDP ranks)
         self.partials = micro > 1 and geo.replicas > 1 and not every
         self.outputs: list = []          # held until the next zero_grad (HSDP partial sums)
-        self._drained: list = []         # the asynchronous reduce's, drained by the root
+        self._drained: list = []         # per unit in flight, launch order: its output buckets
         self.counts = _StepCounts()
         self._input_bytes = 0
 
@@ -160,9 +160,7 @@ class _StepReplay:
                 partials = self.partials and unit.replicas > 1
                 self._backward(unit, index, last, accumulate, partials, pending)
             self.pool.wait_all()             # the root's backward ends the step
-            for bucket in self._drained:     # drained into main_grad
-                self.pool.release(bucket)
-            self._drained = []
+            self._land(keep=0)               # the rest lands in main_grad
         self.counts.output_bytes = sum(b.nbytes for b in self.outputs)
         return self.counts
 
@@ -185,6 +183,8 @@ class _StepReplay:
                 for r in unit.reduces:
                     self._copy(r.layout, reduce, padding=False)
             return
+        if self.async_reduce and not partials:
+            self._land(keep=1)               # older reduces land before this one launches
         handles = []
         if accumulate:                       # the last micro-step adds, then launches
             inputs = pending.pop(unit.name)
@@ -215,7 +215,13 @@ class _StepReplay:
             for out in outs:                 # added into main_grad, or copied for autograd, at once
                 self.pool.release(out)
             return
-        self._drained.extend(outs)
+        self._drained.append(outs)
+
+    def _land(self, keep: int) -> None:
+        """Asynchronous reduces land in main_grad, in launch order, but the ``keep`` last."""
+        while len(self._drained) > keep:
+            for bucket in self._drained.pop(0):
+                self.pool.release(bucket)
 
     def _all_reduce_partials(self, unit: _Unit) -> None:
         """HSDP without the replicate all-reduce on earlier micro-steps: the float32 totals of

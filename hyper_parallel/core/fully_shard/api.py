@@ -8,8 +8,9 @@ upstream pass none and get the process default: ``GradPoolConfig()`` unless
 ``fully_shard`` itself, such as mindformers, gets ``verify_gradients``).
 
 With ``MixedPrecisionPolicy(apply_grad_on_fp32_main_grad=True)`` the reduce is asynchronous by
-default (``GradPoolConfig.async_reduce``): each unit's backward only launches it, the results
-are added into ``main_grad`` at the end of backward, and the gradients ``value_and_grad`` returns
+default (``GradPoolConfig.async_reduce``): each unit's backward only launches it, each result
+is added into ``main_grad`` when the unit after the next one launches its reduce (the last two
+at the end of backward), and the gradients ``value_and_grad`` returns
 for managed parameters are (shared) zeros: feed the optimizer from ``p.main_grad``. See the
 platform state module for the ordering on Ascend.
 """

@@ -5,7 +5,9 @@ model dropped at any point (between micro-steps, after an exception) frees its u
 finalizer gives their leases back to the pool.
 
 * the registry of units (finding roots, containment, prefetch targets);
-* the asynchronous reduces still in flight, in launch order (main_grad mode);
+* the asynchronous reduces still in flight, in launch order (main_grad mode): at most the
+  previous unit's when a unit launches its own (older ones land then), the rest at the end of
+  backward;
 * the shared zero gradients handed to autograd (one tensor per shape and dtype);
 * the order in which units finished their forward, which gives the backward order that the
   implicit backward prefetch follows (FSDP2 does the same: the reverse of the post-forward
@@ -43,6 +45,10 @@ from hyper_parallel.platform.mindspore.fully_shard.recompute import non_reentran
 
 logger = logging.getLogger(__name__)
 
+# Asynchronous reduces left in flight when the next unit launches its own: the previous unit's
+# (it hides behind the launching unit's backward compute); older ones land first.
+REDUCES_KEPT_IN_FLIGHT = 1
+
 
 class FullyShardRuntime:
     """The shared state of this process's ``fully_shard`` units (see the module doc)."""
@@ -50,6 +56,7 @@ class FullyShardRuntime:
     def __init__(self):
         self._units: list = []                     # weakref.ref(HSDPUnitState)
         self.in_flight_refs: list = []             # units whose async reduce is not landed
+        self.landing_error: Optional[BaseException] = None   # met landing early, raised at the end
         self.zeros: dict = {}                      # (shape, dtype) -> read-only zero tensor
         self.forward_order: list = []              # refs: units in the order their forward ended
         self.replaced_parameters = False           # fully_shard swapped some since the last forward
@@ -166,9 +173,37 @@ class FullyShardRuntime:
     def finish_async_reduces(self) -> None:
         """Wait for every asynchronous reduce still in flight and add it into ``main_grad``, in
         launch order (the same on every rank). A failed collective is raised once every other
-        one is settled: no lease stays live, and nothing is added twice."""
+        one is settled: no lease stays live, and nothing is added twice. A failure met by an
+        earlier landing inside backward (:meth:`land_before_previous`) is raised here too."""
         error: Optional[BaseException] = None
-        while self.in_flight_refs:
+        try:
+            self._land(keep=0)
+        except Exception as exc:  # noqa: BLE001 - raised below, after an earlier one
+            error = exc
+        earlier, self.landing_error = self.landing_error, None
+        if earlier is not None or error is not None:
+            raise earlier if earlier is not None else error
+
+    def land_before_previous(self) -> None:
+        """A unit is about to launch its asynchronous reduce: every reduce launched before the
+        newest one in flight lands now, in launch order, so that at most two stay in flight (the
+        one launched last, which keeps the running unit's backward compute to hide behind, and
+        the one about to launch) and their output buckets go back to the pool as backward goes,
+        not all at its end. On a device the wait is a stream wait (the pool's default bound of
+        two fenced input buckets has the compute stream wait for the same collective when the
+        next input is acquired); no host read. A failure is kept and raised by the next
+        :meth:`finish_async_reduces` (the end of backward): every rank launches the same
+        collectives, and the others land first."""
+        try:
+            self._land(keep=REDUCES_KEPT_IN_FLIGHT)
+        except Exception as exc:  # noqa: BLE001 - raised at the end of backward
+            self.landing_error = self.landing_error if self.landing_error is not None else exc
+
+    def _land(self, keep: int) -> None:
+        """Land, in launch order, every reduce in flight but the ``keep`` launched last; the
+        first failure is raised once the others are landed."""
+        error: Optional[BaseException] = None
+        while len(self.in_flight_refs) > keep:
             unit = self.in_flight_refs[0]()
             if unit is None:       # dropped: its finalizer gave its buckets back
                 del self.in_flight_refs[0]

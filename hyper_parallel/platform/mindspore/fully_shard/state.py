@@ -15,9 +15,12 @@ next synchronized backward adds its own gradients and reduces the buckets once.
 A unit's backward launches its reduce (reduce-scatter; for HSDP also the replicate all-reduce)
 and returns at once, handing autograd shared zeros (one read-only tensor per shape and dtype,
 never written: do not write into the gradients ``value_and_grad`` returns). The results are
-waited and added into each parameter's float32 ``main_grad`` exactly once, in launch order, when
-the root unit's backward ends (the last thing autograd runs, like FSDP2's final callback) or
-earlier by ``hsdp_sync_stream()``, ``zero_grad()`` or the unit's own next backward. So when
+waited and added into each parameter's float32 ``main_grad`` exactly once, in launch order: when
+the unit after the next one launches its reduce (the previous unit's stays in flight behind the
+running unit's compute; FSDP2's next reduce-scatter waits on the previous one likewise), the last
+two when the backward pass ends (the last thing autograd runs, like FSDP2's final callback), or
+earlier by ``hsdp_sync_stream()``, ``zero_grad()`` or the unit's own next backward. So at most two
+units' output buckets are leased at once. So when
 ``value_and_grad`` returns, every ``main_grad`` is final (with ``set_is_last_backward(False)``
 only after ``hsdp_sync_stream()``); step the optimizer from ``p.main_grad``.
 Without ``main_grad`` the reduce stays synchronous: autograd must get each unit's reduced

@@ -3,7 +3,8 @@
 * synchronized backward: one reduce per group (sharded parameters reduce-scattered, replicated
   ones all-reduced; fused or not is the reducer's grouping), then the result goes to autograd as
   owned shard gradients, into ``main_grad`` now, or (asynchronous, main_grad mode) stays in
-  flight until the runtime lands it;
+  flight until the runtime lands it: when the unit after the next one launches its reduce, or
+  at the end of backward;
 * micro-steps (``set_requires_gradient_sync(False)``): packed into the unit's own buckets, later
   ones added in; the next synchronized backward reduces the buckets once;
 * HSDP without the replicate all-reduce (``set_requires_all_reduce(False)``): each replica's
@@ -86,6 +87,10 @@ class UnitReduce:
         if not self.settings.requires_sync:
             self._accumulate(self.params)
             return self._zero_grads()
+        if self.async_reduce and not self._holds_partials():
+            # the reduce about to launch stays in flight: older ones land first (their output
+            # buckets back in the pool before this one's is taken), the previous unit's stays
+            self.runtime.land_before_previous()
         self.reduce(self.params, self._wire_op())
         if self._holds_partials():
             return self._keep_partials()
