@@ -229,6 +229,20 @@ def test_clip_grad_norm_scales_bfloat16_gradients_in_place():
         np.testing.assert_allclose(g.astype(ms.float32).asnumpy(), e / 4, rtol=1e-2)
 
 
+def test_clip_grad_norm_scales_a_gradient_viewing_part_of_a_larger_storage():
+    """A gradient that is a prefix view of a larger tensor is scaled in place there, the rest of
+    the storage untouched (copy_ would refuse such a view on CPU)."""
+    values = np.arange(1, 13, dtype=np.float32)
+    storage = ms.Tensor(values.copy())
+    grad = storage[:5]
+    params = [Parameter(ms.Tensor(np.zeros(5, np.float32)), name="w")]
+    norm = float(np.linalg.norm(values[:5]))
+    clip_grad_norm_(params, norm / 2, grads=[grad])
+    want = values.copy()
+    want[:5] *= (norm / 2) / (norm + 1e-6)
+    np.testing.assert_allclose(storage.asnumpy(), want, rtol=1e-6)
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(max_norm=0), "max_norm"), (dict(max_norm=math.inf), "finite"),
     (dict(max_norm=1.0, norm_type=-2), "norm_type"), (dict(max_norm="1"), "max_norm"),

@@ -17,7 +17,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import mint
 
-from gradpool import InvalidArgumentError, NonFiniteNormError, check_bool, overwrite
+from gradpool import (InvalidArgumentError, NonFiniteNormError, check_bool, is_whole_storage,
+                      overwrite)
 
 _EPS = 1e-6
 
@@ -123,6 +124,10 @@ def clip_grad_norm_(parameters: Iterable, max_norm: float, norm_type: float = 2.
     elif len(grads) != len(params):
         raise InvalidArgumentError(
             f"grads has {len(grads)} entries for {len(params)} parameters; give one each")
+    # Asked before any op of this call is queued: a storage query on a tensor that queued ops
+    # still produce waits for PyNative's launch pipeline (about 20 ms per gradient seen on a
+    # loaded CPU), so the scaling below, after the norm's ops, must not ask again.
+    whole = [grad is not None and is_whole_storage(grad) for grad in grads]
     replicated: list = []
     per_group: dict[int, list] = {}            # id(shard comm) -> [comm, local parts]
     for param, grad in zip(params, grads):
@@ -149,7 +154,7 @@ def clip_grad_norm_(parameters: Iterable, max_norm: float, norm_type: float = 2.
             raise NonFiniteNormError(f"the total {norm_type:g}-norm of the gradients is {total}; "
                                      "find the NaN or infinite gradient, or pass "
                                      "error_if_nonfinite=False to skip clipping")
-    _scale(grads, _coefficient(norm, max_norm))
+    _scale(grads, whole, _coefficient(norm, max_norm))
     return norm
 
 
@@ -162,14 +167,19 @@ def _coefficient(norm: ms.Tensor, max_norm: float) -> ms.Tensor:
     return mint.where(mint.isfinite(norm), coef, ms.Tensor(np.float32(1.0)))
 
 
-def _scale(grads: Sequence, coef: ms.Tensor) -> None:
+def _scale(grads: Sequence, whole: Sequence[bool], coef: ms.Tensor) -> None:
     """Every gradient times ``coef``, written into its own memory (``Tensor.mul_`` is out of
-    place on CPU). Always run, as PyTorch does: whether to clip is known only on the device, and
-    a coefficient of 1 leaves every value as it was."""
+    place on CPU): ``copy_`` into a gradient spanning its storage (``whole``), else
+    :func:`gradpool.overwrite`. Always run, as PyTorch does: whether to clip is known only on the
+    device, and a coefficient of 1 leaves every value as it was."""
     per_dtype = {coef.dtype: coef}     # the CPU Mul has no bfloat16 x float32 kernel: cast once
-    for grad in grads:
+    for grad, spans in zip(grads, whole):
         if grad is None or grad.numel() == 0:
             continue
         if grad.dtype not in per_dtype:
             per_dtype[grad.dtype] = coef.astype(grad.dtype)
-        overwrite(grad.reshape(-1), mint.mul(grad, per_dtype[grad.dtype]).reshape(-1))
+        scaled = mint.mul(grad, per_dtype[grad.dtype]).reshape(-1)
+        if spans:
+            grad.reshape(-1).copy_(scaled)
+        else:
+            overwrite(grad.reshape(-1), scaled)
