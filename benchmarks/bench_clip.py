@@ -1,6 +1,8 @@
 """``clip_grad_norm_`` over 1,000 gradients of 4,096 float32 elements (max_norm above the norm:
-the norm's cost, no scaling), on one process. Reports host synchronisations per call (reads of a
-tensor's value to the host, counted) in extra_info; asserts the value against NumPy's norm."""
+the coefficient is 1, but the multiply runs, since whether to clip is known only on the device),
+on one process. Reports host synchronisations per call (reads of a tensor's value to the host,
+counted: none, the norm stays on the device) in extra_info; asserts the value against NumPy's
+norm."""
 import math
 
 import mindspore as ms
@@ -33,4 +35,4 @@ def test_clip_grad_norm(benchmark, monkeypatch, norm_type):
     flat = np.concatenate(values).astype(np.float64)
     want = np.abs(flat).max() if math.isinf(norm_type) else np.linalg.norm(flat)
     np.testing.assert_allclose(float(norm.asnumpy()), want, rtol=1e-5)
-    assert syncs_per_call == 1
+    assert syncs_per_call == 0

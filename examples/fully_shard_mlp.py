@@ -93,6 +93,7 @@ def main() -> int:
         # p.main_grad holds the reduced (averaged) shard once grad_fn returns
         loss, _ = grad_fn(x, y)
         # the unsharded model's gradient norm: the same on every rank and for any world size
+        # (clip_grad_norm_ keeps it on the device; reading it for the log is this script's read)
         norm = float(clip_grad_norm_(params, max_norm=1.0).asnumpy())
         optimizer(tuple(p.main_grad for p in params))
         losses.append(float(loss.asnumpy()))

@@ -19,10 +19,11 @@ if TYPE_CHECKING:
                                CompletedHandle, CpuMcclCommunicator, SingleProcessCommunicator,
                                check_reduce_op, communicator_for, init_distributed,
                                launched_by_msrun)
-    from gradpool.device import (SUPPORTED_DEVICES, device_target, on_real_device,
-                                 real_device_target, return_free_host_memory, synchronize)
+    from gradpool.device import (SUPPORTED_DEVICES, EventFence, device_target,
+                                 fence_queued_work, on_real_device, real_device_target,
+                                 return_free_host_memory, synchronize)
     from gradpool.dtypes import (DTYPE_NAMES, SUPPORTED_DTYPES, check_dtype, dtype_named,
-                                 itemsize, nan_fill, overwrite, writable_view)
+                                 is_whole_storage, itemsize, nan_fill, overwrite, writable_view)
     from gradpool.errors import (ArgumentTypeError, BackwardNotRecordedError, CheckpointError,
                                  CollectiveError, CommError, FeatureNotProvidedError,
                                  ForeignLeaseError, GradientIntegrityError, GradPoolError,

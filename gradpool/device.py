@@ -107,6 +107,41 @@ def synchronize() -> None:
         drain_launch_queue()
 
 
+class EventFence:
+    """A pool fence (``gradpool.pool.Fence``) on a device event recorded after queued work:
+    completed once the device has run everything queued before the event (``query()``, no host
+    wait); ``wait()`` blocks the host on that event alone (``synchronize()``), which the pool
+    does only when it must reuse the bucket behind it."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event):
+        self.event = event
+
+    def is_completed(self) -> bool:
+        return bool(self.event.query())
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+    def __repr__(self) -> str:
+        return f"EventFence({self.event!r})"
+
+
+def fence_queued_work() -> "EventFence | None":
+    """A fence over every op queued so far on the current stream. On Ascend an event recorded
+    there (the host does not wait); elsewhere None, after :func:`synchronize` (on CPU a drain of
+    PyNative's queue, free under the CPU's blocking launch; MindSpore's ``Event`` serves Ascend
+    and GPU only)."""
+    if device_target() == "Ascend":
+        import mindspore as ms
+        event = ms.runtime.Event()
+        event.record()
+        return EventFence(event)
+    synchronize()
+    return None
+
+
 def drain_launch_queue() -> None:
     """Block until every op PyNative has queued so far has run (``synchronize`` on CPU, for
     callers known to run there); an op that failed in the queue raises here, as it would there."""

@@ -50,8 +50,15 @@ CPU_ONLY_SITES = {
     ("gradpool/comm.py", "__init__"),        # _HostOutput
     ("gradpool/comm.py", "__exit__"),        # _HostOutput
     ("gradpool/comm.py", "_run"),
-    # a one-rank group's copy through host memory (SingleProcessCommunicator, CPU tensors only)
+    # a one-rank group's copy through host memory (SingleProcessCommunicator, CPU tensors only),
+    # or its queued copy drained (SingleProcessCommunicator._copy, off Ascend only)
     ("gradpool/comm.py", "_host_copy"),
+    ("gradpool/comm.py", "_copy"),
+    # the fused all-gather's copy-out drained before its bucket is recycled, where it was not
+    # written on the host; on Ascend an event fences the bucket (gradpool.fence_queued_work)
+    ("hyper_parallel/platform/mindspore/fully_shard/param.py", "finish"),
+    # a whole CPU tensor aliased flat through its host memory (CPU tensors only)
+    ("gradpool/pack.py", "flat_view"),
     # a timed pack's drain: the runtime times copies only off Ascend (runtime.build_runtime)
     ("gradpool/reducer.py", "_copy_in"),
     # main_grad += shard through host memory (the CPU's Tensor.add_ does nothing in place)

@@ -329,3 +329,22 @@ def test_cpu_pieces_cover_the_tensor_in_order_each_padded_to_a_power_of_two(nume
     for start, length, padded in pieces:
         assert 0 < length <= limit and length <= padded < 2 * length
         assert padded & (padded - 1) == 0
+
+
+@pytest.mark.parametrize("target, drains", [("CPU", 1), ("Ascend", 0)])
+def test_a_single_process_copy_waits_for_the_device_only_off_ascend(monkeypatch, target, drains):
+    """A copy not made through host memory (device tensors: stood in for by refusing the host
+    copy) is queued with ops; the host waits for it only off Ascend, where the host path reads
+    the output next (on Ascend its readers are queued after it on the stream). The output holds
+    the input either way."""
+    import gradpool.comm as comm_module
+    waits = []
+    real = comm_module.synchronize
+    monkeypatch.setattr(comm_module, "synchronize", lambda: waits.append(1) or real())
+    monkeypatch.setattr(comm_module, "device_target", lambda: target)
+    monkeypatch.setattr(comm_module, "_host_copy", lambda output, input: False)
+    source = np.arange(6, dtype=np.float32) - 2.5
+    output = mint.zeros(6, dtype=ms.float32)
+    handle = SingleProcessCommunicator().all_gather(output, ms.Tensor(source))
+    assert handle.is_completed() and len(waits) == drains
+    np.testing.assert_array_equal(output.asnumpy(), source)

@@ -12,6 +12,7 @@ from gradpool import (GradPoolConfig, InvalidArgumentError, NonFiniteNormError,
                       SingleProcessCommunicator)
 from gradpool import runtime as runtime_module
 from gradpool.testing import FaultInjectingCommunicator
+from host_reads import count_host_reads
 from hyper_parallel import DeviceMesh, clip_grad_norm_, fully_shard
 from hyper_parallel.core.fully_shard.api import MixedPrecisionPolicy
 
@@ -212,6 +213,36 @@ def test_clip_grad_norm_equals_numpy_and_scales_main_grad(norm_type):
         np.testing.assert_array_equal(p.main_grad.asnumpy(), u)
 
 
+def test_clip_grad_norm_scales_bfloat16_gradients_in_place():
+    """Gradients of another dtype than the float32 norm (the CPU has no bfloat16 x float32 Mul)
+    are scaled into their own memory too, against NumPy."""
+    rng = np.random.default_rng(3)
+    values = [rng.standard_normal(n).astype(np.float32) for n in (5, 12)]
+    params = [Parameter(ms.Tensor(np.zeros_like(v)), name=f"w{i}") for i, v in enumerate(values)]
+    grads = [ms.Tensor(v).astype(ms.bfloat16) for v in values]
+    exact = [g.astype(ms.float32).asnumpy().astype(np.float64) for g in grads]
+    norm = float(np.linalg.norm(np.concatenate(exact)))
+    got = clip_grad_norm_(params, norm / 4, grads=grads)
+    np.testing.assert_allclose(float(got.asnumpy()), norm, rtol=1e-6)
+    for g, e in zip(grads, exact):
+        assert g.dtype == ms.bfloat16
+        np.testing.assert_allclose(g.astype(ms.float32).asnumpy(), e / 4, rtol=1e-2)
+
+
+def test_clip_grad_norm_scales_a_gradient_viewing_part_of_a_larger_storage():
+    """A gradient that is a prefix view of a larger tensor is scaled in place there, the rest of
+    the storage untouched (copy_ would refuse such a view on CPU)."""
+    values = np.arange(1, 13, dtype=np.float32)
+    storage = ms.Tensor(values.copy())
+    grad = storage[:5]
+    params = [Parameter(ms.Tensor(np.zeros(5, np.float32)), name="w")]
+    norm = float(np.linalg.norm(values[:5]))
+    clip_grad_norm_(params, norm / 2, grads=[grad])
+    want = values.copy()
+    want[:5] *= (norm / 2) / (norm + 1e-6)
+    np.testing.assert_allclose(storage.asnumpy(), want, rtol=1e-6)
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(max_norm=0), "max_norm"), (dict(max_norm=math.inf), "finite"),
     (dict(max_norm=1.0, norm_type=-2), "norm_type"), (dict(max_norm="1"), "max_norm"),
@@ -244,20 +275,25 @@ def test_clip_grad_norm_of_a_nonfinite_gradient_clips_nothing(bad, norm_type, wa
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 3.0, math.inf])
-def test_clip_grad_norm_reads_the_device_once_per_call(monkeypatch, norm_type):
-    """The norm stays on device until the total: one device-to-host read per call, however many
-    parameters (today's host path read every gradient)."""
+def test_clip_grad_norm_never_reads_the_device(monkeypatch, norm_type):
+    """The norm, the coefficient and the scaling stay on device: no device-to-host read per
+    call, however many parameters, clipping or not; ``error_if_nonfinite=True`` reads the norm
+    once (the read the caller asked for)."""
     net = Two()
     fully_shard(net, mp_policy=MAIN_GRAD, replicate_params={net.b.weight})
     grads_of(net)
     params = net.trainable_params()
     flat = np.concatenate([p.main_grad.asnumpy().astype(np.float64).ravel() for p in params])
-    reads = []
-    real = ms.Tensor.asnumpy
-    monkeypatch.setattr(ms.Tensor, "asnumpy", lambda self: reads.append(1) or real(self))
-    norm = clip_grad_norm_(params, 1e9, norm_type=norm_type)
-    assert len(params) > 1 and len(reads) == 1
-    monkeypatch.undo()
     want = np.abs(flat).max() if math.isinf(norm_type) else (np.abs(flat) ** norm_type).sum() \
         ** (1 / norm_type)
+    before = [p.main_grad.asnumpy().copy() for p in params]
+    with count_host_reads() as reads:
+        norm = clip_grad_norm_(params, want / 3, norm_type=norm_type)
+    assert len(params) > 1 and reads.calls == {}, reads.calls
     np.testing.assert_allclose(float(norm.asnumpy()), want, rtol=1e-6)
+    coef = (want / 3) / (want + 1e-6)
+    for p, b in zip(params, before):
+        np.testing.assert_allclose(p.main_grad.asnumpy(), b * coef, rtol=1e-5)
+    with count_host_reads() as reads:
+        clip_grad_norm_(params, 1e9, norm_type=norm_type, error_if_nonfinite=True)
+    assert sum(reads.calls.values()) == 1, reads.calls

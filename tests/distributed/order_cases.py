@@ -12,7 +12,9 @@ distributed.py; the 4-rank HSDP cases, built from these, are in pattern_cases_4.
   ``float(tensor)``, a device synchronize or a launch-queue drain made by gradpool or
   hyper_parallel code during a training step (forward, backward, the end of backward), per case
   and step: none but the CPU-only host path and the one read of the order flag per optimizer
-  step (plain, main_grad, fused, recompute, micro-steps; expert parallelism 2).
+  step (plain, main_grad, fused, recompute, micro-steps; expert parallelism 2); with
+  ``clip_grad_norm_`` in the step still that one read, the clipped ``main_grad`` equal to
+  NumPy's clipping of the unsharded model's gradients.
 
 The model and its reference are tests/distributed/pattern_cases.py's (every dim odd: uneven
 shards at 2 ranks).
@@ -30,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # tests/: npre
 from gradpool import GradPoolConfig, UnsupportedPatternError
 from harness import Suite, equal, raises
 from host_reads import count_host_reads
-from hyper_parallel import fully_shard
+from hyper_parallel import clip_grad_norm_, fully_shard
 from hyper_parallel.core.device_mesh import DeviceMesh
 from hyper_parallel.core.fully_shard import MixedPrecisionPolicy
 from hyper_parallel.platform.mindspore.fully_shard.order import GATHER, REDUCE, tag_of
@@ -289,6 +291,58 @@ def host_reads_in_a_training_step(ctx) -> dict:
         print(f"rank {ctx.rank} {label}: CPU-only host reads per step {per_step[-1]['cpu_only']}",
               file=sys.stderr)
     return checks
+
+
+def clipped_steps(ctx, mesh=None, fused: bool = False, steps: int = 2) -> dict:
+    """main_grad mode with asynchronous reduces and ``clip_grad_norm_`` in every step (after one
+    warm-up): per step, the host reads of forward and backward and of the clipping, counted
+    apart; the norm and every clipped ``main_grad`` against NumPy's clipping of the unsharded
+    model's gradients. ``max_norm`` is half the norm on odd steps (clipped), twice it on even
+    ones (scaled by 1: unchanged)."""
+    model = _sharded(pc.Net(), "main_async", GradPoolConfig(async_reduce=True), mesh=mesh,
+                     fused=fused)
+    ref = pc.Net()
+    params = model.trainable_params()
+    grad_fn = ms.value_and_grad(lambda x: pc.loss_of(model, x), None, params)
+    ref_fn = ms.value_and_grad(lambda x: pc.loss_of(ref, x), None, ref.trainable_params())
+    checks = {}
+    for step in range(steps + 1):
+        local, whole = pc._batch(step, ctx.rank, ctx.world_size, pc.ROWS)   # pylint: disable=protected-access
+        want = [w.asnumpy().astype(np.float64) for w in ref_fn(ms.Tensor(whole))[1]]
+        want_norm = float(np.sqrt(sum((w * w).sum() for w in want)))
+        max_norm = want_norm * (0.5 if step % 2 else 2.0)
+        coef = min(1.0, max_norm / (want_norm + 1e-6))
+        model.zero_grad()
+        with count_host_reads() as backward:
+            grad_fn(ms.Tensor(local))
+        with count_host_reads() as clipping:
+            norm = clip_grad_norm_(params, max_norm)
+        if not step:
+            continue
+        label = f"step {step} ({'clipped' if coef < 1 else 'not clipped'})"
+        both = backward.summary()
+        clip = clipping.summary()
+        checks[f"{label}: forward and backward, device-independent host reads"] = equal(
+            both["device_independent"], {})
+        checks[f"{label}: clip_grad_norm_, device-independent host reads"] = equal(
+            clip["device_independent"], {})
+        checks[f"{label}: library host reads in the step, clipping included"] = equal(
+            both["order_flag"] + clip["order_flag"], 1)
+        checks[f"{label}: the norm"] = pc.allclose(norm, np.array(want_norm), rtol=1e-5)
+        for param, w in zip(params, want):
+            checks[f"{label}: clipped main_grad {param.name}"] = pc.allclose(
+                param.main_grad, pc.np_local(param.hsdp_param, w * coef), rtol=0.0,
+                atol=pc.GRAD_TOL * (float(np.abs(w).max(initial=0.0)) or 1.0))
+        print(f"rank {ctx.rank} clipping {label}: CPU-only host reads {clip['cpu_only']}",
+              file=sys.stderr)
+    return checks
+
+
+@suite.case
+def host_reads_in_a_training_step_with_clipping(ctx) -> dict:
+    """host_reads_in_a_training_step with ``clip_grad_norm_`` in the step (main_grad, uneven
+    shards): still one library host read per optimizer step, the order flag's."""
+    return clipped_steps(ctx)
 
 
 def ep_host_reads_per_step(ctx, mode: str, steps: int = 2) -> list:

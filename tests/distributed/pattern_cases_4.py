@@ -67,6 +67,8 @@ def hsdp_host_reads_in_a_training_step(ctx) -> dict:
 
 
 suite.add("hsdp_host_reads_in_a_training_step", hsdp_host_reads_in_a_training_step)
+suite.add("hsdp_host_reads_in_a_training_step_with_clipping",
+          lambda ctx: order_cases.clipped_steps(ctx, mesh=_hsdp_mesh()))
 
 
 if __name__ == "__main__":

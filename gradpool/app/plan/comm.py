@@ -28,7 +28,8 @@ reduce-scattered. Full recompute runs each layer's forward dispatch again in its
 
 The unit-order check (``gradpool.check_unit_order``, on by default) adds no row: each unit's
 all-gather and reduce carry its tag in a few elements at the end of every rank's row (49 per
-row of one bucket per unit collective), and the host reads one flag per step. Its ``strict``
+row of one bucket per unit collective, counted in the rows' bytes and, by the geometry, in the
+pool's buckets), and the host reads one flag per step. Its ``strict``
 mode would add a small all-reduce over the world before every unit collective (a note says so).
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from gradpool.app.config import RunConfig
-from gradpool.app.plan.geometry import _dtype, _Geometry
+from gradpool.app.plan.geometry import _dtype, _Geometry, order_tail
 from gradpool.app.plan.options import ITEMSIZE
 
 INTRA, INTER = "intra-node", "inter-node"
@@ -134,10 +135,12 @@ def plan_comm(cfg: RunConfig, geo: _Geometry, intra_gbps: Optional[float],
                       f"EDP group ({geo.expert_shards} ranks, {ep} apart)",
                       link(strided_groups(ranks, ep), per_node)))
     for label, units, size, group, where in kinds:
-        # gathered: each parameter padded to a multiple of the group on dim 0; reduced: the
-        # buckets as the reducer lays them out (alignment gaps included)
+        # gathered: each parameter padded to a multiple of the group on dim 0, plus the order
+        # tag one gather of each unit carries in every rank's row; reduced: the buckets as the
+        # reducer lays them out (alignment gaps and the tag included)
+        tag = order_tail(cfg) * size
         padded = [sum(slot.chunk_numel * size for r in u.reduces for slot in r.layout.slots)
-                  for u in units]
+                  + tag for u in units]
         every = sum(padded)
         layers = sum(n for u, n in zip(units, padded) if u.name != "root")
         buckets = sum(r.layout.total_numel for u in units for r in u.reduces)

@@ -20,6 +20,7 @@ from gradpool.app.config import RunConfig
 from gradpool.app.model import ParamSpec, parameter_specs
 from gradpool.app.plan.options import ITEMSIZE, MIB
 from gradpool.layout import ReduceScatterLayout, fusion_groups
+from hyper_parallel.platform.mindspore.fully_shard.order import TAG_NUMEL
 
 _EXPERT = re.compile(r"^layers\.(\d+)\.moe\.experts\.(\d+)\.")
 
@@ -75,6 +76,28 @@ def _groups(specs: list, nbytes_each: int, cap_bytes: float, fused: bool) -> lis
     return [[specs[i] for i in indices] for _, indices in groups]
 
 
+def order_tail(cfg: RunConfig) -> int:
+    """Elements a tagged bucket row reserves for the unit-order tag: the default check's tag
+    (``check_unit_order: true``); strict mode agrees over the world instead, and no check carries
+    nothing."""
+    return TAG_NUMEL if cfg.gradpool.check_unit_order is True else 0
+
+
+def _reduce_layouts(groups: list, shards: int, align: int, tail: int) -> tuple:
+    """The reduce buckets of one unit's reduce call, as the reducer lays them out (its
+    ``_plan``): ``tail`` (the order tag, 0 for none) reserved in every row of the smallest
+    bucket, the first of equal ones; the others keep their layouts."""
+    def build(group, tail_numel=0):
+        return ReduceScatterLayout.build([s.shape for s in group], shards, align,
+                                         tail_numel=tail_numel)
+    layouts = [build(group) for group in groups]
+    if tail and layouts:
+        smallest = min(range(len(layouts)),
+                       key=lambda k: (layouts[k].total_numel, layouts[k].data_numel))
+        layouts[smallest] = build(groups[smallest], tail)
+    return tuple(_Reduce(tuple(group), layout) for group, layout in zip(groups, layouts))
+
+
 def _mesh(cfg: RunConfig) -> tuple[int, int]:
     shape = cfg.fully_shard.mesh_shape
     if shape is None:
@@ -118,6 +141,7 @@ def _geometry(cfg: RunConfig, specs: Optional[list] = None) -> _Geometry:
     align32 = max(1, pool.alignment_bytes // ITEMSIZE["float32"])
     ep = cfg.model.expert_parallel
     expert_shards = cfg.launch.ranks // ep
+    tail = order_tail(cfg)
     if specs is None:
         specs = parameter_specs(cfg.model)
     by_unit: dict = {}
@@ -128,18 +152,19 @@ def _geometry(cfg: RunConfig, specs: Optional[list] = None) -> _Geometry:
         unit_specs = by_unit[name]
         experts = name.endswith(".moe.experts")
         unit_shards, unit_replicas = (expert_shards, 1) if experts else (shards, replicas)
-        reduces = tuple(
-            _Reduce(tuple(group), ReduceScatterLayout.build([s.shape for s in group],
-                                                            unit_shards, align))
-            for group in _groups(unit_specs, ITEMSIZE[reduce], pool.bucket_cap_mib * MIB,
-                                 fs.comm_fusion))
+        # a unit's reduce carries the order tag when it is a collective (sharded or replicated)
+        reduces = _reduce_layouts(
+            _groups(unit_specs, ITEMSIZE[reduce], pool.bucket_cap_mib * MIB, fs.comm_fusion),
+            unit_shards, align, tail if unit_shards > 1 or unit_replicas > 1 else 0)
         gather = None
         if fs.comm_fusion and unit_shards > 1:
             # launch_all_gather: one send row of the local shards, one [W, row] receive bucket,
-            # in the shards' own dtype (float32), at the same alignment as a reduce bucket
-            full = ReduceScatterLayout.build([s.shape for s in unit_specs], unit_shards, align32)
+            # in the shards' own dtype (float32), at the same alignment as a reduce bucket; the
+            # (one dtype's) bucket carries the order tag at the end of every row
+            full = ReduceScatterLayout.build([s.shape for s in unit_specs], unit_shards, align32,
+                                             tail_numel=tail)
             row = ReduceScatterLayout.build([slot.chunk_shape for slot in full.slots], 1,
-                                            align32)
+                                            align32, tail_numel=tail)
             gather = (row.total_numel, full.total_numel)
         units.append(_Unit(name, tuple(unit_specs), reduces, gather, unit_shards, unit_replicas,
                            experts))

@@ -17,7 +17,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import mint
 
-from gradpool import InvalidArgumentError, NonFiniteNormError, check_bool, overwrite
+from gradpool import (InvalidArgumentError, NonFiniteNormError, check_bool, is_whole_storage,
+                      overwrite)
 
 _EPS = 1e-6
 
@@ -102,16 +103,19 @@ def clip_grad_norm_(parameters: Iterable, max_norm: float, norm_type: float = 2.
                     grads: Optional[Sequence[ms.Tensor]] = None,
                     error_if_nonfinite: bool = False) -> ms.Tensor:
     """The total ``norm_type`` norm of the gradients of ``parameters`` (the local shards that
-    ``model.trainable_params()`` gives) as if the model were unsharded; when it exceeds
-    ``max_norm`` every gradient is scaled in place by ``max_norm / (norm + 1e-6)``.
+    ``model.trainable_params()`` gives) as if the model were unsharded; every gradient is scaled
+    in place by ``min(1, max_norm / (norm + 1e-6))``.
 
     ``grads=None`` uses each parameter's ``main_grad`` (None: no gradient, skipped). Returns the
-    norm as a 0-d float32 tensor. Every rank must call it (it runs collectives).
+    norm as a 0-d float32 device tensor. Every rank must call it (it runs collectives).
 
-    The norm is computed on the gradients' device in float32: one collective per shard group and
-    one host synchronisation (reading the total). A NaN or infinite gradient gives a NaN or
-    infinite norm and no clipping, as in PyTorch; ``error_if_nonfinite=True`` raises
-    :class:`gradpool.errors.NonFiniteNormError` instead."""
+    Everything runs on the gradients' device in float32, as in PyTorch: one collective per shard
+    group, the clipping coefficient computed from the device-side norm, and no host read (the
+    host never waits for the device here; ``float(norm.asnumpy())`` by the caller is a read of
+    its own). A NaN or infinite gradient gives a NaN or infinite norm and no clipping (the
+    coefficient is 1 then). ``error_if_nonfinite=True`` raises
+    :class:`gradpool.errors.NonFiniteNormError` instead, before any gradient is scaled: that
+    needs the norm's value on the host, so it costs one host read per call."""
     norm_type = _check(max_norm, norm_type)
     check_bool("error_if_nonfinite", error_if_nonfinite)
     params = list(parameters)
@@ -120,6 +124,10 @@ def clip_grad_norm_(parameters: Iterable, max_norm: float, norm_type: float = 2.
     elif len(grads) != len(params):
         raise InvalidArgumentError(
             f"grads has {len(grads)} entries for {len(params)} parameters; give one each")
+    # Asked before any op of this call is queued: a storage query on a tensor that queued ops
+    # still produce waits for PyNative's launch pipeline (about 20 ms per gradient seen on a
+    # loaded CPU), so the scaling below, after the norm's ops, must not ask again.
+    whole = [grad is not None and is_whole_storage(grad) for grad in grads]
     replicated: list = []
     per_group: dict[int, list] = {}            # id(shard comm) -> [comm, local parts]
     for param, grad in zip(params, grads):
@@ -139,15 +147,39 @@ def clip_grad_norm_(parameters: Iterable, max_norm: float, norm_type: float = 2.
     combined = _combine(parts, norm_type)
     if not math.isinf(norm_type):
         combined = mint.pow(combined, 1.0 / norm_type)
-    total = float(combined.asnumpy()[0])       # the call's one host synchronisation
-    if error_if_nonfinite and not math.isfinite(total):
-        raise NonFiniteNormError(f"the total {norm_type:g}-norm of the gradients is {total}; "
-                                 "find the NaN or infinite gradient, or pass "
-                                 "error_if_nonfinite=False to skip clipping")
-    coef = max_norm / (total + _EPS)
-    if math.isfinite(total) and coef < 1.0:     # a non-finite norm clips nothing
-        for grad in grads:
-            if grad is not None:
-                # mul_ is out-of-place on CPU: compute, then write into the gradient's own memory
-                overwrite(grad.reshape(-1), mint.mul(grad, coef).reshape(-1))
-    return ms.Tensor(np.float32(total))
+    norm = combined.reshape(())
+    if error_if_nonfinite:
+        total = float(norm.asnumpy())           # the one host read the caller asked for
+        if not math.isfinite(total):
+            raise NonFiniteNormError(f"the total {norm_type:g}-norm of the gradients is {total}; "
+                                     "find the NaN or infinite gradient, or pass "
+                                     "error_if_nonfinite=False to skip clipping")
+    _scale(grads, whole, _coefficient(norm, max_norm))
+    return norm
+
+
+def _coefficient(norm: ms.Tensor, max_norm: float) -> ms.Tensor:
+    """``min(1, max_norm / (norm + 1e-6))`` as a 0-d float32 device tensor; 1 where ``norm`` is
+    NaN or infinite (a non-finite norm clips nothing)."""
+    # float(): a NumPy scalar's own division would turn the tensor into a NumPy value
+    coef = mint.clamp(float(max_norm) / (norm + _EPS), max=1.0)
+    # mint.ones_like has no CPU kernel: a constant made from the host value
+    return mint.where(mint.isfinite(norm), coef, ms.Tensor(np.float32(1.0)))
+
+
+def _scale(grads: Sequence, whole: Sequence[bool], coef: ms.Tensor) -> None:
+    """Every gradient times ``coef``, written into its own memory (``Tensor.mul_`` is out of
+    place on CPU): ``copy_`` into a gradient spanning its storage (``whole``), else
+    :func:`gradpool.overwrite`. Always run, as PyTorch does: whether to clip is known only on the
+    device, and a coefficient of 1 leaves every value as it was."""
+    per_dtype = {coef.dtype: coef}     # the CPU Mul has no bfloat16 x float32 kernel: cast once
+    for grad, spans in zip(grads, whole):
+        if grad is None or grad.numel() == 0:
+            continue
+        if grad.dtype not in per_dtype:
+            per_dtype[grad.dtype] = coef.astype(grad.dtype)
+        scaled = mint.mul(grad, per_dtype[grad.dtype]).reshape(-1)
+        if spans:
+            grad.reshape(-1).copy_(scaled)
+        else:
+            overwrite(grad.reshape(-1), scaled)

@@ -31,7 +31,7 @@ from mindspore import Parameter, mint
 
 from gradpool import (GradientIntegrityError, GradSlot, InvalidArgumentError, ReduceResult,
                       ReduceScatterLayout, add_in_place, check_in_place_add, check_reduce_op,
-                      on_real_device, pack_bucket, row_tails, synchronize, device_target,
+                      device_target, fence_queued_work, on_real_device, pack_bucket, row_tails,
                       unpack_gathered, unshard, writable_view, write_row_tails)
 from hyper_parallel.core.dtensor.dtensor import held_main_grad, set_main_grad_default
 from hyper_parallel.platform.mindspore.fully_shard.meta_init import (install_sharded_init, is_meta,
@@ -587,15 +587,19 @@ def _launch_bucket_gather(members: list, locals_: list, dtype, pool, host: bool,
     send.release(handle)
 
     def finish() -> list:
+        copied_out = None
         try:
             handle.wait()
             if tag is not None:
                 tag.check_gathered(row_tails(recv.tensor, layout))
             fulls = unpack_gathered(recv, layout, host=host)
             if not (written.on_host and host):
-                synchronize()   # queued device copies still read the bucket: done before recycling
+                # queued device copies still read the bucket: it is recycled once they have run
+                # (on Ascend an event after them, no host wait; on CPU a drain of the queue)
+                copied_out = fence_queued_work()
         finally:
-            recv.release(handle)    # complete here, or failed: over as far as memory goes
+            # the collective is complete here, or failed: over as far as memory goes
+            recv.release(handle if copied_out is None else copied_out)
         return [m.in_param_dtype(full) for m, full in zip(members, fulls)]
 
     def abandon() -> None:
