@@ -20,6 +20,8 @@ from gradpool.app.plan import (COPY_EFFICIENCY, HBM_910B_GBPS, PlanOptions, form
 from gradpool.errors import InvalidArgumentError
 from gradpool.runtime import reset_runtimes
 
+ms.set_device("CPU")     # at import: a fixture would come after other files ran kernels
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "deepseek3_tiny.yaml"
 BIG = ROOT / "configs" / "deepseek3_671b_910b.yaml"
@@ -59,7 +61,6 @@ def in_process(monkeypatch):
     for name in (rank_report.ENV_DIR, "RANK_ID", "MS_ROLE", "MS_WORKER_NUM"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(rank_report, "_launched", None)
-    ms.set_device("CPU")
     reset_runtimes()
     yield
     reset_runtimes()

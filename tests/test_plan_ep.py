@@ -58,9 +58,9 @@ def test_ep_figures_equal_a_hand_count_on_4_ranks_ep_2():
     assert ex.largest_expert_unit_gathered_bytes == 2 * expert * 4
 
     rows = _rows(plan)
-    # the unit-order check: one gather and one reduce bucket per unit collective carry 49
+    # the unit-order check: one gather and one reduce bucket per unit collective carry 48
     # elements at the end of every rank's row
-    tag = 49
+    tag = 48
     dense_layer = 2 * hidden + 4 * hidden * hidden + hidden * 4  # every dim 0 divisible by 4
     root = 2 * 4 * _chunk(vocab, 4) * hidden + hidden            # padded to 68 rows
     assert rows["dense units: all-gather, forward"].bytes == \
@@ -73,7 +73,7 @@ def test_ep_figures_equal_a_hand_count_on_4_ranks_ep_2():
         1 / 2 * 2 * (2 * expert + 2 * tag) * 4
     # reduce-scatter: float32 buckets, each rank's row rounded up to 512 bytes (128 elements);
     # the tag goes to each unit's smallest bucket (the first of equal ones): a norm's 8-element
-    # row, where it fits the rounding, and an expert unit's first gate row (384 + 49: 512)
+    # row, where it fits the rounding, and an expert unit's first gate row (384 + 48: 512)
     up = lambda n: -(-n // 128) * 128                            # noqa: E731
     layer_rows = 2 * up(8) + 4 * up(8 * hidden) + up(8 * 4)
     assert up(8 + tag) == up(8)

@@ -1,4 +1,4 @@
-"""`gradpool plan` lays out the buckets as the code does with the unit-order check's tag: 49
+"""`gradpool plan` lays out the buckets as the code does with the unit-order check's tag: 48
 elements at the end of every row of one reduce bucket per unit (the reducer's smallest) and of
 the fused all-gather's bucket, when ``check_unit_order`` is on (not in strict mode, not off).
 The plan's layouts are compared with what the reducer's own ``_plan`` and the fused gather's
@@ -100,7 +100,7 @@ def test_the_plans_fused_gather_buckets_are_the_ones_the_gather_leases(check, al
 
 def test_the_tag_is_in_the_planned_figures_only_with_the_check_on():
     """At an alignment of one element nothing absorbs the tag: every unit collective's rows
-    grow by 49 elements per rank, in the communication table and in the pool."""
+    grow by 48 elements per rank, in the communication table and in the pool."""
     plans = {check: plan_memory(_config(check, True, "gradpool.alignment_bytes=4",
                                         "fully_shard.reduce_dtype=float32"))
              for check in MODES}

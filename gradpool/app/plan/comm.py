@@ -27,7 +27,7 @@ reduce-scatter, and in backward the output gradients gathered and the input grad
 reduce-scattered. Full recompute runs each layer's forward dispatch again in its backward.
 
 The unit-order check (``gradpool.check_unit_order``, on by default) adds no row: each unit's
-all-gather and reduce carry its tag in a few elements at the end of every rank's row (49 per
+all-gather and reduce carry its tag in a few elements at the end of every rank's row (48 per
 row of one bucket per unit collective, counted in the rows' bytes and, by the geometry, in the
 pool's buckets), and the host reads one flag per step. Its ``strict``
 mode would add a small all-reduce over the world before every unit collective (a note says so).
@@ -40,6 +40,7 @@ from typing import Optional
 from gradpool.app.config import RunConfig
 from gradpool.app.plan.geometry import _dtype, _Geometry, order_tail
 from gradpool.app.plan.options import ITEMSIZE
+from hyper_parallel.platform.mindspore.fully_shard.order import TAG_NUMEL
 
 INTRA, INTER = "intra-node", "inter-node"
 
@@ -190,7 +191,7 @@ def _unit_order_note(mode, unit_collectives: int) -> str:
                 f"host, before each of the {unit_collectives:,} unit collectives (not in the rows)")
     if mode:
         return ("check_unit_order: no collective of its own; each unit collective carries its "
-                "tag in 49 elements per rank row, and the host reads one flag per step")
+                f"tag in {TAG_NUMEL} elements per rank row, and the host reads one flag per step")
     return ""
 
 
