@@ -6,11 +6,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "distributed"))   # h
 
 import pytest
 
-import harness
-
-# Before any test's first op: MindSpore's CPU kernels on one thread in this process (why there).
-harness.one_kernel_thread()
-
 # The shared checks in tests/ helper modules report their failures as test modules do.
 pytest.register_assert_rewrite("bad_inputs", "pool_checks")
 

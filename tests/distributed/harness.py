@@ -113,20 +113,6 @@ def raises(exc_type: type, fn: Callable[[], Any], *message_parts: str) -> dict:
 
 
 # -- running (rank side) -------------------------------------------------------------------------
-def one_kernel_thread() -> None:
-    """Run this process's MindSpore CPU kernels on one thread (tests/conftest.py in pytest's own
-    process, :meth:`Suite.main` on msrun ranks; before the first op). The suites' tensors are
-    tiny: split over MindSpore's kernel thread pool (25 threads by default) they cost more in
-    hand-offs than they gain, and on the 2-core machine the pool's threads take the cores the
-    other rank and the other pytest worker need (the cases of a 2-rank patterns launch ran 2-3x
-    faster, docs/testing.md). The pool only splits one kernel's loop: the op launch mode
-    (blocking, or MindSpore's asynchronous queues) and everything gradpool does are unchanged."""
-    import mindspore as ms
-    from mindspore._c_expression import RuntimeConf
-    if not RuntimeConf.get_instance().is_op_threads_num_configured():
-        ms.device_context.cpu.op_tuning.threads_num(1)
-
-
 class Suite:
     def __init__(self, name: str, blocking_launch: bool = False):
         """``blocking_launch``: run every msrun rank with blocking op launch, as ``gradpool train``
@@ -167,7 +153,6 @@ class Suite:
         # mode must stay MindSpore's default for every later test (tests/conftest.py).
         if self.blocking_launch and os.environ.get("MS_ROLE") == "MS_WORKER":
             block_launches()
-        one_kernel_thread()
         ctx = Context(rank=rank, world_size=world, comm=communicator_for())
         reporter = rank_report.reporter_for(out_dir, rank, world)
         reporter.publish("suite", self.name)
