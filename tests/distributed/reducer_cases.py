@@ -689,14 +689,8 @@ suite.add("fail_wait_all_reduce_comm_error", _fail_wait(True, all_reduce=True))
 # the pool's buckets are written, recycled and gathered into.
 import fsdp_cases  # noqa: E402 - the cases are defined there
 
-# Two training steps, not the blocking case's three: under the asynchronous launch a step costs
-# several times more, and the probe's four backward passes and the second step already write,
-# recycle and gather into the buckets the first one reserved (the third repeats the second).
-FULLY_SHARD_ASYNC = {
-    "fully_shard_async_comm_fusion_on": lambda ctx: fsdp_cases.run_case(
-        ctx, ["fully_shard.comm_fusion=true", "train.steps=2"])[0],
-    "fully_shard_async_forward_prefetch_launches_the_next_units_gathers_first":
-        fsdp_cases.suite.cases["forward_prefetch_launches_the_next_units_gathers_first"]}
+FULLY_SHARD_ASYNC = {f"fully_shard_async_{name}": fsdp_cases.suite.cases[name] for name in
+                     ("comm_fusion_on", "forward_prefetch_launches_the_next_units_gathers_first")}
 for _name, _case in FULLY_SHARD_ASYNC.items():
     suite.add(_name, _case)
 
