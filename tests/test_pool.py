@@ -726,29 +726,33 @@ def test_interrupts_inside_acquire_and_release_of_the_pool_itself():
             fence = FaultInjectingCommunicator(
                 SingleProcessCommunicator(), delay_seconds=0.001, **fault).all_reduce(
                 ms.Tensor(np.zeros(1, np.float32)))
+            # The outer handler catches an interrupt wherever in the step it lands: a refusal
+            # leaves the timer armed, and it fired in the PoolCapacityError handler below (a
+            # loaded machine's pytest worker died of it).
             try:
-                # up to twice a step's time on this machine now (at least 3 ms): a fixed
-                # window let no step complete on a loaded machine
-                interrupt.arm(rng.uniform(0.000005, window))
-                # holder=: the lease is in held as part of the acquire. The oldest lease stays
-                # in held until its release commits: an interrupt between taking a lease out of
-                # the list and releasing it would lose it in this loop, not in the pool.
-                pool.acquire(rng.choice([16, 300, 2048, 4000]),
-                             rng.choice([ms.float32, ms.bfloat16]), holder=held)
-                if len(held) > 3:
-                    held[0].release(fence)
-                if step % 37 == 0:
-                    pool.trim()
-                # Disarmed inside the try: a Ctrl-C landing after the work, before the finally
-                # disarms, would otherwise escape the test (CI saw it end the whole session).
-                interrupt.disarm()
-                completed += 1
+                try:
+                    # up to twice a step's time on this machine now (at least 3 ms): a fixed
+                    # window let no step complete on a loaded machine
+                    interrupt.arm(rng.uniform(0.000005, window))
+                    # holder=: the lease is in held as part of the acquire. The oldest lease stays
+                    # in held until its release commits: an interrupt between taking a lease out of
+                    # the list and releasing it would lose it in this loop, not in the pool.
+                    pool.acquire(rng.choice([16, 300, 2048, 4000]),
+                                 rng.choice([ms.float32, ms.bfloat16]), holder=held)
+                    if len(held) > 3:
+                        held[0].release(fence)
+                    if step % 37 == 0:
+                        pool.trim()
+                    # Disarmed inside the try: a Ctrl-C landing after the work, before the finally
+                    # disarms, would otherwise escape the test (CI saw it end the whole session).
+                    interrupt.disarm()
+                    completed += 1
+                except PoolCapacityError:
+                    refused += 1    # the cap, quarantined buckets counted in: refused whole
+                finally:
+                    interrupt.disarm()
             except KeyboardInterrupt:
                 pass
-            except PoolCapacityError:
-                refused += 1        # the cap, quarantined buckets counted in: refused whole
-            finally:
-                interrupt.disarm()
             held = [lease for lease in held if not lease.released]
             assert_consistent(pool, held=len(held))
             watch.check()
