@@ -6,12 +6,15 @@ The network: every communicator of the run (the world's and each group's) is put
 under HSDP the replicate all-reduces, the collective the reducer leaves in flight, its
 reduce-scatter being waited before the all-reduce reads it) complete a fixed wall-clock latency L
 after they start, one at a time per group, using no CPU, like a network. Other collectives take
-no time of their own, but a synchronous one (whose result the host reads at once, as the
-unit-order check's all-gather) waits until the links are idle: on a device the host's read
-blocks until everything queued before it has run.
+no time of their own, but a synchronous one (whose result the host reads at once, as
+``check_unit_order: strict``'s agreement) waits until the links are idle: on a device the host's
+read blocks until everything queued before it has run. The default order check adds no
+collective: its tag rides inside the units' own.
 
 The tiny DeepSeek-V3 model (``--layers`` decoder layers, 8 by default; main_grad mode,
-``comm_fusion`` on: one reduce per unit) trains on ``--ranks`` msrun ranks (FSDP; with
+``comm_fusion`` on: one reduce per unit; ``--batch-size`` 64 sequences of ``--seq-len`` 32 tokens
+per rank by default, so that a layer's backward compute, and with it the latency, is large
+against the step-to-step noise) trains on ``--ranks`` msrun ranks (FSDP; with
 ``--hsdp`` a (2, W/2) mesh) with blocking op launch, as ``gradpool train`` runs CPU ranks. Three
 models train side by side in one process, stepped in turn, on the same batches:
 
@@ -61,6 +64,12 @@ TIMED_WITH_LATENCY = (ORDER_ON, ORDER_OFF)
 BASE = ["fully_shard.comm_fusion=true", "fully_shard.apply_grad_on_fp32_main_grad=true",
         "fully_shard.reduce_dtype=float32", "gradpool.verify_gradients=false",
         "gradpool.poison_on_release=false", "gradpool.max_buckets_in_flight=2"]
+
+
+# The command's batch: 2,048 tokens a rank make one layer's backward about 80 ms on 2 CPU cores
+# (2 ranks), so the 9 delayed reduces inject about 0.7 s a step; with the tiny config's 32 tokens
+# a layer takes about 27 ms and the step-time difference spread 31 points over 3 runs.
+CLI_BATCH_SIZE, CLI_SEQ_LEN = 64, 32
 
 
 class OverlapBenchmarkError(RuntimeError):
@@ -396,10 +405,9 @@ def main(argv=None) -> int:
     parser.add_argument("--latency-ms", type=float, default=None,
                         help="default: one layer's backward compute, measured in the first run "
                              "and kept for the others")
-    parser.add_argument("--batch-size", type=int, default=OverlapOptions.batch_size,
+    parser.add_argument("--batch-size", type=int, default=CLI_BATCH_SIZE,
                         help="sequences per rank (more: more backward compute per layer)")
-    parser.add_argument("--seq-len", type=int, default=OverlapOptions.seq_len,
-                        help="tokens per sequence")
+    parser.add_argument("--seq-len", type=int, default=CLI_SEQ_LEN, help="tokens per sequence")
     parser.add_argument("--out", type=Path, default=None,
                         help="also append the result as Markdown to this file")
     parser.add_argument("--rank-side", type=Path, default=None, help=argparse.SUPPRESS)
