@@ -19,7 +19,7 @@ README_MAX_LINES = 250
 QUICK_START = (
     "make train    # creates .venv, installs, trains the tiny DeepSeek-V3 model on 2 CPU ranks "
     "under msrun",
-    "make test     # creates .venv, installs with the test extra, runs the whole suite (~10-13 min "
+    "make test     # creates .venv, installs with the test extra, runs the whole suite (~20-22 min "
     "on 2 cores)",
 )
 
